@@ -1,0 +1,14 @@
+"""qconf: configurable quantization for low-bit optimizer states.
+
+    cfg = qconf.load_config("configs/default.yml")     # YAML -> validated, frozen QConfig
+    codec = qconf.Codec(bits=4, map="nonlinear", signed=True, scale="group", group_size=128)
+    q = codec.encode(x); x_hat = codec.decode(q)       # reference path
+"""
+from .codec import Codec, QTensor, create_qmap
+from .config import QConfig, StatePlan, load_config
+from .errors import QConfigError
+
+__version__ = "0.1.0"
+
+__all__ = ["Codec", "QTensor", "create_qmap", "QConfig", "StatePlan", "load_config", "QConfigError",
+           "__version__"]

@@ -1,0 +1,249 @@
+"""``Codec`` and ``QTensor``: the reference (pure torch) quantization path -- the specification.
+
+Encode, for a tensor ``x`` (fp32/bf16/fp16/fp64, any shape, contiguous or not; computed in fp32):
+
+1. scales ``s`` by the scale type (see :mod:`qconf.codec.scales`);
+2. normalize ``n = x * r`` with the fp32 reciprocal ``r = 1 / s`` of each stored scale (for
+   ``rank1`` the element's ``r`` is the max of its per-dim reciprocals); a zero scale gives ``n = 0``;
+3. round to a code:
+
+   * ``nearest``: the code whose map value is closest, ties to the lower code. Computed as
+     ``code = #{k : mid[k] < n}`` with fp32 midpoints ``mid[k] = (qmap[k] + qmap[k+1]) * 0.5`` --
+     exactly lpmm's ``real-nearest``. Values beyond the map clamp to its ends; NaN gives code 0.
+   * ``stochastic``: clamp ``n`` into the map's range, take the bracketing codes
+     ``lo = #{k : qmap[k] <= n} - 1`` (clamped to ``[0, L-2]``) and ``hi = lo + 1`` and round up iff
+     ``u < (n - qmap[lo]) / (qmap[hi] - qmap[lo])`` for a uniform ``u`` in [0, 1); unbiased inside
+     the range. ``u`` comes from ``generator`` (``torch.rand``) or is passed as ``noise``.
+
+4. pack the codes densely (:mod:`qconf.codec.packing`).
+
+Decode: ``x_hat = qmap[code] * s``, fp32, in x's shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from . import packing
+from .qmap import MAP_NAMES, create_qmap
+from .scales import SCALE_TYPES, compute_scales, effective_scale, expand_reciprocals, expand_scales, num_scales
+
+ROUNDING_MODES = ("nearest", "stochastic")
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """An immutable description of how one tensor is quantized, with its encode/decode.
+
+    Args:
+        bits: code width, 1..8.
+        map: quantization map name (see :data:`qconf.codec.qmap.MAP_NAMES`).
+        signed: signed map (values in [-1, 1]) or unsigned ([0, 1]).
+        scale: ``tensor`` | ``dim0`` | ``dim1`` | ``group`` | ``rank1``.
+        group_size: block length for ``group`` (and for ``rank1`` on 1-D tensors), >= 1.
+        rounding: ``nearest`` | ``stochastic``.
+    """
+
+    bits: int = 4
+    map: str = "nonlinear"
+    signed: bool = True
+    scale: str = "group"
+    group_size: int = 128
+    rounding: str = "nearest"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            raise ValueError(f"Codec: bits must be an integer in 1..8, got {self.bits!r}")
+        if self.map not in MAP_NAMES:
+            raise ValueError(f"Codec: unknown map {self.map!r}; allowed: {', '.join(MAP_NAMES)}")
+        if not isinstance(self.signed, bool):
+            raise ValueError(f"Codec: signed must be True or False, got {self.signed!r}")
+        if self.scale not in SCALE_TYPES:
+            raise ValueError(f"Codec: unknown scale {self.scale!r}; allowed: {', '.join(SCALE_TYPES)}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"Codec: group_size must be a positive integer, got {self.group_size!r}")
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"Codec: unknown rounding {self.rounding!r}; allowed: {', '.join(ROUNDING_MODES)}")
+        qmap = create_qmap(self.map, self.bits, self.signed)  # raises for signed 1-bit linear
+        object.__setattr__(self, "_qmap", qmap)
+        object.__setattr__(self, "_midpoints", (qmap[:-1] + qmap[1:]) * 0.5)
+        object.__setattr__(self, "_device_tables", {})
+
+    # -- description -------------------------------------------------------------------------
+    @property
+    def qmap(self) -> torch.Tensor:
+        """The sorted fp32 map (``2**bits`` values; ``2**bits - 1`` for signed ``linear``)."""
+        return self._qmap.clone()
+
+    @property
+    def midpoints(self) -> torch.Tensor:
+        """fp32 decision thresholds for nearest rounding, ``(qmap[k] + qmap[k+1]) * 0.5``."""
+        return self._midpoints.clone()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data description (for checkpoints); ``Codec(**d)`` rebuilds it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Codec":
+        return cls(**d)
+
+    def __repr__(self) -> str:
+        return (f"Codec(bits={self.bits}, map={self.map!r}, signed={self.signed}, scale={self.scale!r}, "
+                f"group_size={self.group_size}, rounding={self.rounding!r})")
+
+    def num_scales(self, shape: tuple[int, ...] | torch.Size) -> int:
+        """Number of fp32 scales stored for a tensor of ``shape``."""
+        return num_scales(self.scale, tuple(shape), self.group_size)
+
+    def nbytes(self, shape: tuple[int, ...] | torch.Size) -> int:
+        """Exact storage of an encoded tensor of ``shape``: packed codes + fp32 scales."""
+        shape = tuple(shape)
+        return packing.packed_nbytes(math.prod(shape), self.bits) + 4 * self.num_scales(shape)
+
+    def effective_scale(self, shape: tuple[int, ...] | torch.Size) -> str:
+        """Scale type used for ``shape`` after the rank fallbacks."""
+        return effective_scale(self.scale, tuple(shape))
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._device_tables.get(device)
+        if tables is None:
+            tables = (self._qmap.to(device), self._midpoints.to(device))
+            self._device_tables[device] = tables
+        return tables
+
+    # -- encode / decode ---------------------------------------------------------------------
+    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(n, scales)``: fp32 normalized values in x's shape and the stored scales."""
+        x32 = _as_fp32(x)
+        scales = compute_scales(x32, self.scale, self.group_size)
+        r = expand_reciprocals(scales, tuple(x32.shape), self.scale, self.group_size)
+        n = torch.where(torch.isinf(r), torch.zeros_like(x32), x32 * r)  # r = inf <=> scale 0
+        return n, scales
+
+    def quantize(self, n: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Round normalized fp32 values to int64 codes (same shape). ``noise`` is required for
+        stochastic rounding: uniform [0, 1) values, one per element."""
+        qmap, mids = self._tables(n.device)
+        if self.rounding == "nearest":
+            codes = torch.searchsorted(mids, n.contiguous(), right=False)  # #{mid < n}: ties go low
+        else:
+            if noise is None:
+                raise ValueError("stochastic rounding needs uniform noise (pass generator= or noise=)")
+            nc = n.clamp(qmap[0], qmap[-1])  # clamp keeps NaN as NaN
+            lo = (torch.searchsorted(qmap, nc.contiguous(), right=True) - 1).clamp(0, qmap.numel() - 2)
+            q_lo, q_hi = qmap[lo], qmap[lo + 1]
+            p_up = (nc - q_lo) / (q_hi - q_lo)  # a zero-width interval gives NaN: never rounds up
+            codes = lo + (noise.reshape(n.shape) < p_up).to(torch.int64)
+        return torch.where(torch.isnan(n), torch.zeros_like(codes), codes)
+
+    def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, *,
+               noise: torch.Tensor | None = None) -> "QTensor":
+        """Quantize ``x`` (any shape; fp32/bf16/fp16/fp64; any strides) into a :class:`QTensor`.
+
+        For stochastic rounding the uniforms come from ``noise`` (fp32, ``x.numel()`` values in
+        [0, 1)) if given, else ``torch.rand`` with ``generator`` (the global RNG when None).
+        """
+        n, scales = self.normalize(x)
+        if self.rounding == "stochastic" and noise is None:
+            noise = torch.rand(n.shape, generator=generator, device=n.device, dtype=torch.float32)
+        elif noise is not None and noise.numel() != n.numel():
+            raise ValueError(f"noise has {noise.numel()} values, expected one per element ({n.numel()})")
+        codes = self.quantize(n, noise)
+        return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
+
+    def decode(self, q: "QTensor") -> torch.Tensor:
+        """Dequantize ``q`` (encoded by this codec) to an fp32 tensor of the original shape."""
+        if not isinstance(q, QTensor):
+            raise TypeError(f"Codec.decode expects a QTensor, got {type(q).__name__}")
+        if q.codec != self:
+            raise ValueError(f"QTensor was encoded with {q.codec!r} and cannot be decoded with {self!r}; "
+                             "use q.decode() or the encoding codec")
+        qmap, _ = self._tables(q.codes.device)
+        numel = math.prod(q.shape)
+        codes = packing.unpack(q.codes, self.bits, numel)
+        s = expand_scales(q.scales, tuple(q.shape), self.scale, self.group_size)
+        return qmap[codes].reshape(q.shape) * s
+
+
+def _as_fp32(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"can only encode floating tensors (float32, bfloat16, float16, float64), got {x.dtype}")
+    return x.to(torch.float32)
+
+
+@dataclasses.dataclass
+class QTensor:
+    """An encoded tensor.
+
+    Attributes:
+        codes: 1-D uint8, densely packed codes (``ceil(numel * bits / 8)`` bytes).
+        scales: 1-D fp32 absmax scales (layout per scale type, see :mod:`qconf.codec.scales`).
+        shape: the original tensor's shape.
+        codec: the :class:`Codec` that produced it.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    codec: Codec
+
+    def __post_init__(self) -> None:
+        self.shape = torch.Size(self.shape)
+        numel = math.prod(self.shape)
+        want_codes = packing.packed_nbytes(numel, self.codec.bits)
+        want_scales = self.codec.num_scales(self.shape)
+        if self.codes.dtype != torch.uint8 or self.codes.dim() != 1 or self.codes.numel() != want_codes:
+            raise ValueError(f"QTensor codes must be 1-D uint8 with {want_codes} bytes for shape {tuple(self.shape)} "
+                             f"at {self.codec.bits} bits, got {self.codes.dtype} {tuple(self.codes.shape)}")
+        if self.scales.dtype != torch.float32 or self.scales.dim() != 1 or self.scales.numel() != want_scales:
+            raise ValueError(f"QTensor scales must be 1-D float32 with {want_scales} values for shape "
+                             f"{tuple(self.shape)} under scale {self.codec.scale!r}, got {self.scales.dtype} "
+                             f"{tuple(self.scales.shape)}")
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...] | torch.Size, codec: Codec, device: torch.device | str = "cpu") -> "QTensor":
+        """An encoded all-zero tensor (zero scales decode to exact zeros) without an fp32 temporary."""
+        shape = torch.Size(shape)
+        codes = torch.zeros(packing.packed_nbytes(math.prod(shape), codec.bits), dtype=torch.uint8, device=device)
+        scales = torch.zeros(codec.num_scales(shape), dtype=torch.float32, device=device)
+        return cls(codes, scales, shape, codec)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually held: packed codes plus scales."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def decode(self) -> torch.Tensor:
+        """Dequantize with the encoding codec; fp32, original shape."""
+        return self.codec.decode(self)
+
+    def to(self, device: torch.device | str) -> "QTensor":
+        return QTensor(self.codes.to(device), self.scales.to(device), self.shape, self.codec)
+
+    def clone(self) -> "QTensor":
+        return QTensor(self.codes.clone(), self.scales.clone(), self.shape, self.codec)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (tensors, ints, strings) for ``state_dict``; see :meth:`from_dict`."""
+        return {"codes": self.codes, "scales": self.scales, "shape": list(self.shape), "codec": self.codec.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "QTensor":
+        return cls(d["codes"], d["scales"], torch.Size(d["shape"]), Codec.from_dict(d["codec"]))
+
+    def __repr__(self) -> str:
+        return f"QTensor(shape={tuple(self.shape)}, {self.codec!r}, nbytes={self.nbytes})"

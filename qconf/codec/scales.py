@@ -1,0 +1,133 @@
+"""Scale (normalization) types: how the absmax scales of a tensor are computed and broadcast.
+
+For a tensor ``x`` of shape ``(d0, d1, ...)`` every element gets a scale ``s`` and is stored as
+``n = x / s`` in the map's range. ``R_d(x)[i]`` below is the absmax of ``x`` over every index
+whose coordinate ``d`` equals ``i``.
+
+* ``tensor``: one scale, ``s = max|x|``. Stored shape ``(1,)``.
+* ``dim0``:   ``s[i, ...] = R_0(x)[i]`` (one per row). Stored ``(d0,)``.
+* ``dim1``:   ``s[:, j, ...] = R_1(x)[j]`` (one per column). Stored ``(d1,)``.
+* ``group``:  flatten row-major into blocks of ``group_size`` (the last block may be short);
+  one absmax per block. Stored ``(ceil(numel / group_size),)``.
+* ``rank1``:  ``s[i0, i1, ...] = min_d R_d(x)[i_d]`` (SM3 style: for 2-D the smaller of the row
+  and column absmax). Stored as the concatenated vectors ``R_0, R_1, ...`` (``sum(shape)`` floats).
+
+Fallbacks by rank (``effective_scale``): ``rank1`` on 0-D/1-D is ``group``; ``dim0``/``dim1`` on
+1-D are ``tensor``; ``dim0``/``dim1`` on 0-D are an error; ``dim1`` needs rank >= 2.
+
+Normalization multiplies by reciprocals: ``r = 1 / s`` once per stored scale (fp32, correctly
+rounded), ``n = x * r`` per element. For ``rank1`` the per-element reciprocal is ``max_d r_d[i_d]``,
+which equals ``1 / min_d s_d[i_d]`` exactly (fp32 reciprocal rounding is monotonic). This keeps
+divisions out of the per-element work of the fused kernels and makes their arithmetic identical to
+this reference. A nonzero absmax below ``FLT_MIN`` (a subnormal block) is stored as ``FLT_MIN`` so
+that ``r`` is always finite; such blocks are quantized on the ``FLT_MIN`` grid.
+
+Non-finite input: an absmax over a set containing NaN or +-Inf is NaN (never Inf), so every element
+that shares that scale decodes to NaN; blocks that do not contain the value are untouched. For
+``rank1`` the per-element minimum ignores NaN maxima (``fmin``), so a single non-finite element
+poisons only itself. A scale of 0 means the block is all zero; it decodes to exact zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCALE_TYPES = ("tensor", "dim0", "dim1", "group", "rank1")
+FLT_MIN = 2.0**-126  # smallest normal fp32: floor of a nonzero scale
+
+
+def effective_scale(scale: str, shape: tuple[int, ...]) -> str:
+    """The scale type actually used for a tensor of ``shape`` (see module docstring)."""
+    ndim = len(shape)
+    if scale == "rank1":
+        return "rank1" if ndim >= 2 else "group"
+    if scale in ("dim0", "dim1"):
+        if ndim == 0:
+            raise ValueError(f"scale {scale!r} needs a tensor with at least 1 dimension, got a 0-d tensor; "
+                             "use scale 'tensor' or 'group' for scalars")
+        return scale if ndim >= 2 else "tensor"
+    return scale
+
+
+def num_scales(scale: str, shape: tuple[int, ...], group_size: int) -> int:
+    """Number of fp32 scales stored for a tensor of ``shape`` under ``scale``."""
+    eff = effective_scale(scale, shape)
+    numel = math.prod(shape)
+    if eff == "tensor":
+        return 1
+    if eff == "dim0":
+        return shape[0]
+    if eff == "dim1":
+        return shape[1]
+    if eff == "group":
+        return -(-numel // group_size)
+    return sum(shape)
+
+
+def _absmax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max|a| that propagates NaN and turns Inf into NaN (a non-finite block has scale NaN);
+    a nonzero maximum below FLT_MIN is raised to FLT_MIN."""
+    m = a.abs().amax() if dim is None else a.abs().amax(dim=dim)
+    m = torch.where(torch.isinf(m), torch.full_like(m, math.nan), m)
+    return torch.where((m > 0) & (m < FLT_MIN), torch.full_like(m, FLT_MIN), m)
+
+
+def _per_dim_absmax(x: torch.Tensor, d: int) -> torch.Tensor:
+    """R_d(x): absmax over every index except dimension ``d``; shape ``(x.shape[d],)``."""
+    rows = x.movedim(d, 0).reshape(x.shape[d], -1)
+    if rows.shape[1] == 0:
+        return torch.zeros(x.shape[d], dtype=x.dtype, device=x.device)
+    return _absmax(rows, dim=1)
+
+
+def compute_scales(x: torch.Tensor, scale: str, group_size: int) -> torch.Tensor:
+    """Absmax scales of fp32 ``x`` (any shape) under ``scale``; a 1-D fp32 tensor."""
+    eff = effective_scale(scale, tuple(x.shape))
+    if x.numel() == 0:
+        return torch.zeros(num_scales(scale, tuple(x.shape), group_size), dtype=torch.float32, device=x.device)
+    if eff == "tensor":
+        return _absmax(x).reshape(1)
+    if eff == "dim0":
+        return _per_dim_absmax(x, 0)
+    if eff == "dim1":
+        return _per_dim_absmax(x, 1)
+    if eff == "group":
+        flat = x.reshape(-1)
+        padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size))  # zeros leave absmax unchanged
+        return _absmax(padded.view(-1, group_size), dim=1)
+    return torch.cat([_per_dim_absmax(x, d) for d in range(x.dim())])
+
+
+def expand_scales(scales: torch.Tensor, shape: tuple[int, ...], scale: str, group_size: int) -> torch.Tensor:
+    """Broadcast stored ``scales`` to one fp32 scale per element; returns a tensor of ``shape``."""
+    return _expand(scales, shape, scale, group_size, torch.fmin)
+
+
+def expand_reciprocals(scales: torch.Tensor, shape: tuple[int, ...], scale: str, group_size: int) -> torch.Tensor:
+    """Per-element ``1 / scale`` from the per-scale reciprocals (``inf`` where the scale is 0)."""
+    return _expand(1.0 / scales, shape, scale, group_size, torch.fmax)
+
+
+def _expand(values: torch.Tensor, shape: tuple[int, ...], scale: str, group_size: int, combine) -> torch.Tensor:
+    """Broadcast one value per stored scale to ``shape``; ``rank1`` combines the per-dim vectors
+    with ``combine`` (fmin for scales, fmax for reciprocals: a NaN defers to the other dims)."""
+    eff = effective_scale(scale, shape)
+    numel = math.prod(shape)
+    if eff == "tensor":
+        return values.reshape(()).expand(shape)
+    if eff == "dim0":
+        return values.reshape((shape[0],) + (1,) * (len(shape) - 1)).expand(shape)
+    if eff == "dim1":
+        return values.reshape((1, shape[1]) + (1,) * (len(shape) - 2)).expand(shape)
+    if eff == "group":
+        return values.repeat_interleave(group_size)[:numel].reshape(shape)
+    out = None
+    offset = 0
+    for d, size in enumerate(shape):
+        view = [1] * len(shape)
+        view[d] = size
+        v = values[offset:offset + size].reshape(view)
+        offset += size
+        out = v if out is None else combine(out, v)
+    return out.expand(shape)

@@ -1,0 +1,15 @@
+"""qconfigs: YAML (native or lpmm format) -> validated, frozen :class:`QConfig` -> per-parameter
+:class:`StatePlan` (which :class:`~qconf.codec.Codec` each optimizer state gets).
+
+    cfg = load_config("configs/default.yml")
+    plan = cfg.plan("layers.0.attn.weight", (4096, 4096))
+    plan.codec("exp_avg_sq")      # Codec(bits=4, map='power-1', signed=False, scale='rank1', ...)
+
+See docs/config.md for every key and the resolution rules.
+"""
+from .loader import load_config
+from .plan import StatePlan
+from .schema import DEFAULT_STATES, STATE_NAMES, Override, QConfig, StateConfig, WeightsConfig
+
+__all__ = ["QConfig", "StateConfig", "WeightsConfig", "Override", "StatePlan", "load_config",
+           "STATE_NAMES", "DEFAULT_STATES"]

@@ -1,0 +1,669 @@
+"""The native qconfig schema: frozen dataclasses plus the field rules that validate them.
+
+A :class:`QConfig` holds one :class:`StateConfig` per optimizer state (``STATE_NAMES``), a
+:class:`WeightsConfig` and an ordered tuple of :class:`Override`. Every field is checked by the
+rules in this module -- the YAML loader (:mod:`qconf.config.loader`) and the dataclass
+constructors share them, so a value rejected in a file is also rejected from Python.
+
+Adding an optimizer state is one entry in :data:`DEFAULT_STATES`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import functools
+import math
+import numbers
+import re
+from typing import Any, Iterator, Mapping, Sequence
+
+from ..codec import MAP_NAMES, ROUNDING_MODES, SCALE_TYPES, Codec
+from ..errors import Problem, QConfigError
+
+__all__ = [
+    "FrozenDict", "StateConfig", "WeightsConfig", "Override", "QConfig",
+    "STATE_NAMES", "DEFAULT_STATES", "STATE_FIELDS", "WEIGHTS_FIELDS", "make_codec",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# An immutable, hashable mapping (MappingProxyType neither hashes nor pickles).
+# ---------------------------------------------------------------------------------------------
+class FrozenDict(Mapping):
+    """A read-only dict: equal to any mapping with the same items, hashable, picklable."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._data = dict(*args, **kwargs)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self._data == dict(other.items())
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._data.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenDict({self._data!r})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Problem collection and value formatting
+# ---------------------------------------------------------------------------------------------
+class Reporter:
+    """Collects :class:`Problem` for one file (or one constructor call)."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.problems: list[Problem] = []
+
+    def add(self, key_path: str, value: Any, message: str, allowed: str = "",
+            suggestion: str | None = None, line: int | None = None, column: int | None = None) -> None:
+        self.problems.append(Problem(self.file, key_path, value, allowed, message, suggestion, line, column))
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise QConfigError(self.problems)
+
+
+def join(path: str, key: Any) -> str:
+    """Extend a dotted key path: ``join("states", "exp_avg") == "states.exp_avg"``."""
+    key = str(key)
+    return f"{path}.{key}" if path else key
+
+
+def fmt(value: Any, _depth: int = 0) -> str:
+    """Show a value the way it is written in YAML (``true``, ``null``, ``'group'``), shortened.
+    Nesting is cut at depth 3, so self-referencing YAML anchors cannot recurse forever."""
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, (Mapping, list, tuple)) and _depth >= 3:
+        text = "{...}" if isinstance(value, Mapping) else "[...]"
+    elif isinstance(value, Mapping):
+        items = list(value.items())[:8]
+        text = "{" + ", ".join(f"{fmt(k, _depth + 1)}: {fmt(v, _depth + 1)}" for k, v in items) + "}"
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ", ".join(fmt(v, _depth + 1) for v in list(value)[:8]) + "]"
+    else:
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def kind(value: Any) -> str:
+    """``'a list'``, ``'a string'``, ... for 'expected X, got Y' messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Integral):
+        return "an integer"
+    if isinstance(value, numbers.Real):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+# Spellings people carry over from lpmm or elsewhere, for did-you-mean.
+_ALIASES = {
+    "threshold": "min_numel", "quant_type": "map", "qmap": "map", "scale_type": "scale",
+    "round_type": "rounding", "gp_sz": "group_size", "block_size": "group_size", "bit": "bits",
+    "real-nearest": "nearest", "sr": "stochastic", "real-sr": "stochastic", "m": "exp_avg",
+    "sqm": "exp_avg_sq", "momentum_buffer": "exp_avg", "dynamic": "nonlinear", "block": "group",
+    "blockwise": "group",
+}
+
+
+def suggest(word: Any, candidates: Sequence[str]) -> str | None:
+    """The closest candidate to a misspelled ``word`` (difflib), or None."""
+    if not isinstance(word, str) or not candidates:
+        return None
+    lowered = {c.lower(): c for c in candidates}
+    w = word.lower()
+    if w in lowered and lowered[w] != word:
+        return lowered[w]
+    alias = _ALIASES.get(w)
+    if alias in candidates and alias != word:
+        return alias
+    close = difflib.get_close_matches(w, list(lowered), n=1, cutoff=0.6)
+    return lowered[close[0]] if close and lowered[close[0]] != word else None
+
+
+def unknown_key(rep: Reporter, path: str, key: Any, allowed: Sequence[str], noun: str = "key") -> None:
+    rep.add(join(path, key), key, f"unknown {noun} {fmt(key)}", ", ".join(allowed), suggest(key, allowed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Field rules
+# ---------------------------------------------------------------------------------------------
+_BAD = object()  # check_value's "invalid" result
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The rule for one scalar field: a boolean, a bounded integer, or one of a set of strings."""
+
+    kind: str                       # "bool" | "int" | "enum"
+    lo: int | None = None
+    hi: int | None = None
+    choices: tuple[str, ...] = ()
+    nullable: bool = False
+    noun: str = "value"             # enum messages: "'grop' is not a valid scale type"
+
+    def allowed(self) -> str:
+        if self.kind == "bool":
+            text = "true or false"
+        elif self.kind == "int":
+            if self.lo is not None and self.lo == self.hi:
+                text = str(self.lo)
+            elif self.hi is not None:
+                text = f"integer {self.lo}..{self.hi}"
+            else:
+                text = f"integer >= {self.lo}"
+        else:
+            text = ", ".join(self.choices)
+        return text + (" or null" if self.nullable else "")
+
+
+def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
+    """Return the (normalized) value, or ``_BAD`` after reporting why it is invalid."""
+    if value is None and spec.nullable:
+        return None
+    if spec.kind == "bool":
+        if not isinstance(value, bool):
+            rep.add(path, value, f"{fmt(value)} is not a boolean", spec.allowed())
+            return _BAD
+        return value
+    if spec.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            rep.add(path, value, f"{fmt(value)} is not an integer", spec.allowed())
+            return _BAD
+        value = int(value)
+        if (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
+            what = "is not supported" if spec.lo == spec.hi else "is out of range"
+            rep.add(path, value, f"{value} {what}", spec.allowed())
+            return _BAD
+        return value
+    if not isinstance(value, str):
+        rep.add(path, value, f"{fmt(value)} is not a string", spec.allowed())
+        return _BAD
+    if value not in spec.choices:
+        rep.add(path, value, f"{fmt(value)} is not a valid {spec.noun}", spec.allowed(), suggest(value, spec.choices))
+        return _BAD
+    return value
+
+
+WEIGHT_ROUNDING = ("nearest", "stochastic")
+WEIGHT_COMPENSATION = ("none", "kahan")
+
+#: Rules for the fields of a state section (``states.<name>``), in dataclass order.
+STATE_FIELDS: Mapping[str, Spec] = FrozenDict({
+    "enable": Spec("bool"),
+    "bits": Spec("int", 1, 8),
+    "map": Spec("enum", choices=tuple(MAP_NAMES), noun="map"),
+    "signed": Spec("bool"),
+    "scale": Spec("enum", choices=tuple(SCALE_TYPES), noun="scale type"),
+    "group_size": Spec("int", 1),
+    "rounding": Spec("enum", choices=tuple(ROUNDING_MODES), noun="rounding mode"),
+    "min_numel": Spec("int", 0, nullable=True),
+})
+#: Fields an override may set for a state (``min_numel`` is a selector of the override instead).
+OVERRIDE_STATE_FIELDS: Mapping[str, Spec] = FrozenDict(
+    {k: v for k, v in STATE_FIELDS.items() if k != "min_numel"})
+#: Rules for ``weights``.
+WEIGHTS_FIELDS: Mapping[str, Spec] = FrozenDict({
+    "rounding": Spec("enum", choices=WEIGHT_ROUNDING, noun="weights rounding mode"),
+    "compensation": Spec("enum", choices=WEIGHT_COMPENSATION, noun="compensation"),
+})
+#: Rules for the scalar top-level keys.
+TOP_FIELDS: Mapping[str, Spec] = FrozenDict({
+    "version": Spec("int", 1, 1),
+    "min_numel": Spec("int", 0),
+})
+TOP_KEYS = ("version", "base", "min_numel", "states", "weights", "overrides")
+SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
+    "ndim": Spec("int", 0),
+    "min_numel": Spec("int", 0),
+    "max_numel": Spec("int", 0),
+})
+OVERRIDE_SELECTORS = ("match", "ndim", "min_numel", "max_numel")
+OVERRIDE_ACTIONS = ("enable", "states", "weights")
+OVERRIDE_KEYS = OVERRIDE_SELECTORS + OVERRIDE_ACTIONS
+MATCH_ALLOWED = "an fnmatch glob on the parameter name such as '*.bias', or 're:<regex>'"
+
+
+def check_section(raw: Any, fields: Mapping[str, Spec], path: str, rep: Reporter) -> dict[str, Any]:
+    """Validate a mapping of scalar fields; return the valid ones (problems go to ``rep``).
+    ``None`` (an empty YAML section) is an empty mapping."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        rep.add(path, raw, f"expected a mapping, got {kind(raw)} {fmt(raw)}",
+                f"a mapping with keys {', '.join(fields)}")
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in fields:
+            if key == "min_numel" and fields is OVERRIDE_STATE_FIELDS:
+                rep.add(join(path, key), value, "min_numel cannot be set for a state inside an override; "
+                        "select parameters with the override's min_numel/max_numel and set enable instead",
+                        ", ".join(fields))
+            else:
+                unknown_key(rep, path, key, list(fields))
+            continue
+        checked = check_value(fields[key], value, join(path, key), rep)
+        if checked is not _BAD:
+            out[key] = checked
+    return out
+
+
+def state_combo_problem(bits: Any, map: Any, signed: Any) -> str | None:
+    """Cross-field rule of a state: the signed linear map needs 2 bits (1 bit leaves only 0)."""
+    if map == "linear" and signed is True and bits == 1:
+        return "map 'linear' with signed: true needs bits >= 2 (1 bit leaves only the level 0)"
+    return None
+
+
+def check_states(raw: Any, path: str, rep: Reporter, *, fields: Mapping[str, Spec] = STATE_FIELDS
+                 ) -> dict[str, dict[str, Any]]:
+    """Validate ``states`` (state name -> partial section); return the valid partial sections."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        rep.add(path, raw, f"expected a mapping of state name to settings, got {kind(raw)} {fmt(raw)}",
+                f"a mapping with keys {', '.join(STATE_NAMES)}")
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, section in raw.items():
+        if name not in STATE_NAMES:
+            unknown_key(rep, path, name, STATE_NAMES, noun="state")
+            continue
+        out[name] = check_section(section, fields, join(path, name), rep)
+    return out
+
+
+def _glob_problem(pattern: str) -> str | None:
+    """fnmatch takes any string, but an unclosed ``[`` (silently literal) is always a typo here."""
+    if not pattern:
+        return "empty pattern"
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "[":
+            j = i + 1
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            close = pattern.find("]", j)
+            if close < 0:
+                return f"unclosed '[' at position {i} in glob {pattern!r} (write '[[]' for a literal '[')"
+            i = close + 1
+        else:
+            i += 1
+    return None
+
+
+def compile_match(pattern: str) -> re.Pattern[str]:
+    """The compiled regex for a ``match`` selector; use ``.fullmatch(name)``.
+    Globs follow :func:`fnmatch.fnmatchcase` (case-sensitive, ``*`` also matches dots)."""
+    if pattern.startswith("re:"):
+        return re.compile(pattern[3:])
+    return re.compile(fnmatch.translate(pattern))
+
+
+def check_match(value: Any, path: str, rep: Reporter) -> Any:
+    if not isinstance(value, str):
+        rep.add(path, value, f"{fmt(value)} is not a string", MATCH_ALLOWED)
+        return _BAD
+    if value.startswith("re:"):
+        regex = value[3:]
+        if not regex:
+            rep.add(path, value, "empty regex after 're:'", MATCH_ALLOWED)
+            return _BAD
+        try:
+            re.compile(regex)
+        except (re.error, OverflowError, ValueError, RecursionError) as e:
+            rep.add(path, value, f"regex {regex!r} does not compile: {e}", "a valid Python regular expression")
+            return _BAD
+        return value
+    problem = _glob_problem(value)
+    if problem:
+        rep.add(path, value, problem, MATCH_ALLOWED)
+        return _BAD
+    return value
+
+
+def check_override(raw: Any, path: str, rep: Reporter) -> dict[str, Any] | None:
+    """Validate one override; return its cleaned fields (``None`` values dropped), or None if it
+    has any problem."""
+    before = len(rep.problems)
+    if not isinstance(raw, Mapping):
+        rep.add(path, raw, f"expected a mapping, got {kind(raw)} {fmt(raw)}",
+                f"a mapping with selectors ({', '.join(OVERRIDE_SELECTORS)}) "
+                f"and actions ({', '.join(OVERRIDE_ACTIONS)})")
+        return None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        p = join(path, key)
+        if key not in OVERRIDE_KEYS:
+            unknown_key(rep, path, key, OVERRIDE_KEYS)
+        elif value is None:
+            continue  # null = not given
+        elif key == "match":
+            checked = check_match(value, p, rep)
+            if checked is not _BAD:
+                out[key] = checked
+        elif key == "enable":
+            checked = check_value(STATE_FIELDS["enable"], value, p, rep)
+            if checked is not _BAD:
+                out[key] = checked
+        elif key in SELECTOR_FIELDS:
+            checked = check_value(SELECTOR_FIELDS[key], value, p, rep)
+            if checked is not _BAD:
+                out[key] = checked
+        elif key == "states":
+            states = check_states(value, p, rep, fields=OVERRIDE_STATE_FIELDS)
+            for name, fields in states.items():
+                msg = state_combo_problem(fields.get("bits"), fields.get("map"), fields.get("signed"))
+                if msg:
+                    rep.add(join(p, name), fields, msg, "bits 2..8, or signed: false")
+            out[key] = {name: fields for name, fields in states.items() if fields}
+        else:  # weights
+            out[key] = check_section(value, WEIGHTS_FIELDS, p, rep)
+    if not any(raw.get(k) is not None for k in OVERRIDE_SELECTORS):
+        rep.add(path, raw, "override has no selector", f"at least one of {', '.join(OVERRIDE_SELECTORS)}")
+    lo, hi = out.get("min_numel"), out.get("max_numel")
+    if lo is not None and hi is not None and lo > hi:
+        rep.add(join(path, "min_numel"), lo, f"min_numel {lo} is greater than max_numel {hi} (matches nothing)",
+                "min_numel <= max_numel")
+    has_action = (raw.get("enable") is not None or any(_nonempty(v) for v in _values(raw.get("states")))
+                  or _nonempty(raw.get("weights")))
+    if not has_action:
+        rep.add(path, raw, "override has no action (it would change nothing)",
+                f"at least one of {', '.join(OVERRIDE_ACTIONS)}")
+    return out if len(rep.problems) == before else None
+
+
+def _values(x: Any) -> list[Any]:
+    return list(x.values()) if isinstance(x, Mapping) else ([x] if x is not None else [])
+
+
+def _nonempty(x: Any) -> bool:
+    return x is not None and not (isinstance(x, Mapping) and len(x) == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataclasses
+# ---------------------------------------------------------------------------------------------
+def _reraise(e: QConfigError, file: str, prefix: str) -> QConfigError:
+    return QConfigError([dataclasses.replace(p, file=file, key_path=join(prefix, p.key_path) if p.key_path
+                                             else prefix) for p in e.problems])
+
+
+@functools.lru_cache(maxsize=1024)
+def make_codec(bits: int, map: str, signed: bool, scale: str, group_size: int, rounding: str) -> Codec:
+    """A shared :class:`~qconf.codec.Codec` per distinct description (codecs are immutable)."""
+    return Codec(bits=bits, map=map, signed=signed, scale=scale, group_size=group_size, rounding=rounding)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateConfig:
+    """How one optimizer state is stored (lpmm: one ``QUANT.M`` / ``QUANT.SQM`` section).
+
+    ``min_numel=None`` inherits :attr:`QConfig.min_numel`. See docs/config.md for every field.
+    """
+
+    enable: bool = True
+    bits: int = 4
+    map: str = "nonlinear"
+    signed: bool = True
+    scale: str = "group"
+    group_size: int = 128
+    rounding: str = "nearest"
+    min_numel: int | None = None
+
+    def __post_init__(self) -> None:
+        rep = Reporter("<StateConfig>")
+        for name, spec in STATE_FIELDS.items():
+            value = check_value(spec, getattr(self, name), name, rep)
+            if value is not _BAD:
+                object.__setattr__(self, name, value)
+        if not rep.problems:
+            msg = state_combo_problem(self.bits, self.map, self.signed)
+            if msg:
+                rep.add("bits", self.bits, msg, "bits 2..8, or signed: false")
+        rep.raise_if_any()
+
+    def codec(self) -> Codec:
+        """The codec this section describes (ignores ``enable`` and ``min_numel``)."""
+        return make_codec(self.bits, self.map, self.signed, self.scale, self.group_size, self.rounding)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in STATE_FIELDS}
+
+
+#: The default section of each state: lpmm's ``_C`` defaults (``QUANT.M`` and ``QUANT.SQM``).
+#: Adding a state to qconf is one entry here.
+DEFAULT_STATES: Mapping[str, StateConfig] = FrozenDict({
+    "exp_avg": StateConfig(),                                   # first moment / SGD momentum
+    "exp_avg_sq": StateConfig(signed=False, map="power-1"),     # second moment
+})
+STATE_NAMES: tuple[str, ...] = tuple(DEFAULT_STATES)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsConfig:
+    """How low-precision (bf16/fp16) parameters receive their updates."""
+
+    rounding: str = "nearest"       # nearest | stochastic
+    compensation: str = "none"      # none | kahan
+
+    def __post_init__(self) -> None:
+        rep = Reporter("<WeightsConfig>")
+        for name, spec in WEIGHTS_FIELDS.items():
+            check_value(spec, getattr(self, name), name, rep)
+        rep.raise_if_any()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in WEIGHTS_FIELDS}
+
+
+def _shape_numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """A per-parameter exception. Selectors (all given must hold, at least one required):
+    ``match`` (glob, or ``re:<regex>`` fullmatch, on the qualified name), ``ndim``, and inclusive
+    ``min_numel``/``max_numel`` bounds. Actions: ``enable`` (forces every state on or off, even
+    below the threshold), ``states`` (partial state fields; an ``enable`` there forces that
+    state) and ``weights`` (partial weights fields)."""
+
+    match: str | None = None
+    ndim: int | None = None
+    min_numel: int | None = None
+    max_numel: int | None = None
+    enable: bool | None = None
+    states: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=FrozenDict)
+    weights: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)
+
+    def __post_init__(self) -> None:
+        rep = Reporter("<Override>")
+        raw = {k: getattr(self, k) for k in OVERRIDE_KEYS}
+        clean = check_override(raw, "", rep)
+        rep.raise_if_any()
+        assert clean is not None
+        states = clean.get("states", {})
+        object.__setattr__(self, "states", FrozenDict(
+            (s, FrozenDict((f, states[s][f]) for f in OVERRIDE_STATE_FIELDS if f in states[s]))
+            for s in STATE_NAMES if s in states))
+        weights = clean.get("weights", {})
+        object.__setattr__(self, "weights", FrozenDict((f, weights[f]) for f in WEIGHTS_FIELDS if f in weights))
+        for key in ("ndim", "min_numel", "max_numel"):
+            if clean.get(key) is not None:
+                object.__setattr__(self, key, clean[key])
+        object.__setattr__(self, "_regex", compile_match(self.match) if self.match is not None else None)
+
+    def matches(self, name: str, shape: Sequence[int]) -> bool:
+        """Whether every given selector holds for parameter ``name`` of ``shape``."""
+        if self.ndim is not None and len(shape) != self.ndim:
+            return False
+        if self.min_numel is not None or self.max_numel is not None:
+            numel = _shape_numel(shape)
+            if self.min_numel is not None and numel < self.min_numel:
+                return False
+            if self.max_numel is not None and numel > self.max_numel:
+                return False
+        if self._regex is not None and self._regex.fullmatch(name) is None:
+            return False
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data with only the keys that are set."""
+        out: dict[str, Any] = {}
+        for key in ("match", "ndim", "min_numel", "max_numel", "enable"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.states:
+            out["states"] = {s: dict(f) for s, f in self.states.items()}
+        if self.weights:
+            out["weights"] = dict(self.weights)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class QConfig:
+    """A validated qconfig. Build one with :func:`qconf.load_config` (file, dict) or directly.
+
+    ``states`` always holds every name in :data:`STATE_NAMES`; when constructing directly, a
+    missing state gets its :data:`DEFAULT_STATES` section and a state given as a mapping is
+    applied on top of it. ``weights`` may be a mapping and ``overrides`` a list of mappings.
+    """
+
+    version: int = 1
+    min_numel: int = 4096
+    states: Mapping[str, StateConfig] = dataclasses.field(default_factory=lambda: DEFAULT_STATES)
+    weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
+    overrides: tuple[Override, ...] = ()
+    source: str | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        rep = Reporter("<QConfig>")
+        for key, spec in TOP_FIELDS.items():
+            check_value(spec, getattr(self, key), key, rep)
+        states = self._normalize_states(rep)
+        weights = self._normalize_weights(rep)
+        overrides = self._normalize_overrides(rep)
+        if states is not None and overrides is not None:
+            for i, ov in enumerate(overrides):
+                for name, fields in ov.states.items():
+                    merged = {**states[name].to_dict(), **fields}
+                    msg = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
+                    if msg:
+                        rep.add(f"overrides[{i}].states.{name}", dict(fields),
+                                msg + f" (combined with states.{name})", "bits 2..8, or signed: false")
+        rep.raise_if_any()
+        object.__setattr__(self, "states", states)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "overrides", overrides)
+
+    def _normalize_states(self, rep: Reporter) -> FrozenDict | None:
+        if not isinstance(self.states, Mapping):
+            rep.add("states", self.states, f"expected a mapping, got {kind(self.states)}",
+                    f"a mapping with keys {', '.join(STATE_NAMES)}")
+            return None
+        out: dict[str, StateConfig] = {}
+        for name, section in self.states.items():
+            path = join("states", name)
+            if name not in STATE_NAMES:
+                unknown_key(rep, "states", name, STATE_NAMES, noun="state")
+            elif isinstance(section, StateConfig):
+                out[name] = section
+            elif isinstance(section, Mapping) or section is None:
+                fields = check_section(section, STATE_FIELDS, path, rep)
+                try:
+                    out[name] = dataclasses.replace(DEFAULT_STATES[name], **fields)
+                except QConfigError as e:
+                    rep.problems.extend(_reraise(e, rep.file, path).problems)
+            else:
+                rep.add(path, section, f"expected a StateConfig or a mapping, got {kind(section)}",
+                        f"a mapping with keys {', '.join(STATE_FIELDS)}")
+        if len(out) != len(self.states):
+            return None
+        return FrozenDict((name, out.get(name, DEFAULT_STATES[name])) for name in STATE_NAMES)
+
+    def _normalize_weights(self, rep: Reporter) -> WeightsConfig | None:
+        if isinstance(self.weights, WeightsConfig):
+            return self.weights
+        if isinstance(self.weights, Mapping) or self.weights is None:
+            before = len(rep.problems)
+            fields = check_section(self.weights, WEIGHTS_FIELDS, "weights", rep)
+            return WeightsConfig(**fields) if len(rep.problems) == before else None
+        rep.add("weights", self.weights, f"expected a WeightsConfig or a mapping, got {kind(self.weights)}",
+                f"a mapping with keys {', '.join(WEIGHTS_FIELDS)}")
+        return None
+
+    def _normalize_overrides(self, rep: Reporter) -> tuple[Override, ...] | None:
+        if self.overrides is None:
+            return ()
+        if isinstance(self.overrides, (str, bytes, Mapping)) or not isinstance(self.overrides, Sequence):
+            rep.add("overrides", self.overrides, f"expected a list, got {kind(self.overrides)}",
+                    "a list of overrides")
+            return None
+        out: list[Override] = []
+        for i, ov in enumerate(self.overrides):
+            path = f"overrides[{i}]"
+            if isinstance(ov, Override):
+                out.append(ov)
+                continue
+            clean = check_override(ov, path, rep)
+            if clean is not None:
+                out.append(Override(**clean))
+        return tuple(out) if len(out) == len(self.overrides) else None
+
+    # -- use -------------------------------------------------------------------------------------
+    def plan(self, name: str, shape: Sequence[int], *, force_enable: bool | None = None
+             ) -> "StatePlan":  # noqa: F821 (plan.py)
+        """Resolve which codec each state of parameter ``name`` (of ``shape``) gets.
+
+        ``force_enable`` (the optimizer's ``override_quantize_enable``) is applied after every
+        override: ``True``/``False`` forces all states of this parameter on/off."""
+        from .plan import resolve_plan
+        return resolve_plan(self, name, shape, force_enable=force_enable)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data in the full explicit native form: ``load_config(cfg.to_dict()) == cfg``."""
+        return {
+            "version": self.version,
+            "min_numel": self.min_numel,
+            "states": {name: self.states[name].to_dict() for name in STATE_NAMES},
+            "weights": self.weights.to_dict(),
+            "overrides": [ov.to_dict() for ov in self.overrides],
+        }
+
+    def to_yaml(self) -> str:
+        """``to_dict()`` as YAML text (keys in schema order)."""
+        import yaml
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)

@@ -1,0 +1,38 @@
+"""Build script: packages ``qconf`` and compiles the native extension ``qconf._C`` from csrc/.
+
+The CPU extension is always built (set QCONF_NO_EXT=1 to skip it; the package then runs on the
+reference path). The CUDA kernels are added only when torch itself is a CUDA build and nvcc is
+available. Install with ``pip install --no-build-isolation .`` so the build uses the installed torch.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+
+def _extensions():
+    if os.environ.get("QCONF_NO_EXT") == "1":
+        return [], {}
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden", "-DQCONF_BUILD_EXTENSION"]
+    include = [os.path.join(here, "csrc", "include")]
+    with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc") is not None
+                 and os.environ.get("QCONF_NO_CUDA") != "1")
+    if with_cuda:
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DQCONF_WITH_CUDA"]
+        ext = CUDAExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"],
+                            extra_compile_args={"cxx": cxx + ["-DQCONF_WITH_CUDA"], "nvcc": nvcc})
+    else:
+        ext = CppExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"],
+                           extra_compile_args={"cxx": cxx})
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,213 @@
+"""The qconf CLI (validate, show) via qconf.cli.main([...])."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qconf._table import format_table
+from qconf.cli import main, parse_model_shapes
+from qconf.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = str(REPO / "configs" / "default.yml")
+SHAPES = "embed.weight=1000x64,layers.0.attn.weight=64x64,layers.0.attn.bias=64,head.weight=64x1000,temp=scalar"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- validate ----------------------------------------------------------------------------------------
+def test_validate_shipped(capsys):
+    files = sorted(str(p) for p in (REPO / "configs").glob("*.yml"))
+    code, out, _ = run(capsys, "validate", *files)
+    assert code == 0
+    assert out.splitlines() == [f"OK  {f}" for f in files]
+
+
+def test_validate_bad_file_one_line_per_problem(capsys, tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text("states:\n  exp_avg_sq:\n    bits: 9\n    grop_size: 4\nweights: {rounding: sr}\n")
+    code, out, _ = run(capsys, "validate", DEFAULT, str(bad))
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == f"OK  {DEFAULT}"
+    assert lines[1:] == [
+        f"{bad}: states.exp_avg_sq.bits: 9 is out of range (allowed: integer 1..8)",
+        f"{bad}: states.exp_avg_sq.grop_size: unknown key 'grop_size' (allowed: enable, bits, map, signed, scale, "
+        "group_size, rounding, min_numel); did you mean 'group_size'?",
+        f"{bad}: weights.rounding: 'sr' is not a valid weights rounding mode (allowed: nearest, stochastic); "
+        "did you mean 'stochastic'?",
+    ]
+
+
+def test_validate_missing_and_syntax(capsys, tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("a: [1,\n")
+    code, out, _ = run(capsys, "validate", str(tmp_path / "missing.yml"), str(broken))
+    assert code == 1
+    lines = out.splitlines()
+    assert len(lines) == 2
+    assert "missing.yml" in lines[0] and "not found" in lines[0]
+    assert lines[1].startswith(f"{broken}:2:1: YAML syntax error:")
+
+
+def test_validate_warnings_are_not_failures(capsys, tmp_path):
+    f = tmp_path / "lpmm.yml"
+    f.write_text("QUANT:\n  P: {BITS: 8}\n  M:\n    EXCLUDE_SUFFIX: ['bias']\n    BITS: 4\n")
+    code, out, _ = run(capsys, "validate", str(f))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("warning: ") and "QUANT.P" in lines[0] and "QUANT.M.EXCLUDE_SUFFIX" in lines[0]
+    assert lines[1] == f"OK  {f}"
+
+
+def test_validate_lpmm_twins(capsys):
+    files = sorted(str(p) for p in (REPO / "tests" / "fixtures" / "lpmm").glob("*.yml"))
+    code, out, _ = run(capsys, "validate", *files)
+    assert code == 0 and len(out.splitlines()) == len(files)
+
+
+# -- show ----------------------------------------------------------------------------------------------
+def test_show_prints_resolved_yaml(capsys):
+    code, out, _ = run(capsys, "show", str(REPO / "configs" / "2nd_moment_only_default.yml"))
+    assert code == 0
+    body = "\n".join(line for line in out.splitlines() if not line.startswith("#"))
+    data = yaml.safe_load(body)
+    assert data == load_config(REPO / "configs" / "2nd_moment_only_default.yml").to_dict()
+    assert data["states"]["exp_avg"]["enable"] is False and "base" not in data
+
+
+def test_show_table(capsys):
+    code, out, _ = run(capsys, "show", DEFAULT, "--model-shapes", SHAPES)
+    assert code == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("param"))
+    assert lines[header].split() == ["param", "shape", "numel", "exp_avg", "exp_avg", "B", "exp_avg_sq",
+                                     "exp_avg_sq", "B", "total", "B", "fp32", "B"]
+    assert set(lines[header + 1].replace(" ", "")) == {"-"}
+    rows = {line.split()[0]: line for line in lines[header + 2:] if line.strip()}
+    embed = rows["embed.weight"]
+    assert "1000x64" in embed and "64000" in embed
+    assert "4-bit nonlinear group128" in embed and "4-bit unsigned power-1 rank1" in embed
+    plan = load_config(DEFAULT).plan("embed.weight", (1000, 64))
+    assert str(plan.state_nbytes("exp_avg")) in embed and str(plan.nbytes()) in embed
+    assert str(plan.fp32_nbytes() * 2) in embed
+    assert rows["layers.0.attn.weight"].count("fp32") == 2            # 4096 elements: not > 4096
+    assert rows["layers.0.attn.bias"].count("fp32") == 2
+    assert "scalar" in rows["temp"]
+    assert "total" in rows and "B/param" in rows
+    total_numel = 64000 + 4096 + 64 + 64000 + 1
+    assert str(total_numel) in rows["total"]
+    assert rows["B/param"].split()[-1] == "8.000"
+
+
+def test_show_numbers_right_aligned(capsys):
+    _, out, _ = run(capsys, "show", DEFAULT, "--model-shapes", "a=10000,bb=5")
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("param"))
+    a, b = lines[header + 2], lines[header + 3]
+    col_end = lines[header].index("numel") + len("numel")
+    assert a[:col_end].endswith("10000") and b[:col_end].endswith("5")
+
+
+def test_show_json(capsys):
+    code, out, _ = run(capsys, "show", DEFAULT, "--model-shapes", SHAPES, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["config"] == load_config(DEFAULT).to_dict()
+    names = [p["name"] for p in data["params"]]
+    assert names == ["embed.weight", "layers.0.attn.weight", "layers.0.attn.bias", "head.weight", "temp"]
+    embed = data["params"][0]
+    assert embed["shape"] == [1000, 64] and embed["numel"] == 64000
+    assert embed["states"]["exp_avg_sq"]["codec"]["scale"] == "rank1"
+    assert data["params"][1]["states"]["exp_avg"] == {"quantized": False, "codec": None, "description": "fp32",
+                                                      "nbytes": 4 * 4096}
+    assert data["params"][4]["shape"] == []
+    totals = data["totals"]
+    assert totals["nbytes"] == sum(p["nbytes"] for p in data["params"])
+    assert totals["fp32_nbytes"] == 8 * totals["numel"]
+
+
+def test_show_json_without_shapes(capsys):
+    code, out, _ = run(capsys, "show", DEFAULT, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert "params" not in data and data["config"]["states"]["exp_avg_sq"]["scale"] == "rank1"
+
+
+def test_show_overrides_in_table(capsys, tmp_path):
+    f = tmp_path / "o.yml"
+    f.write_text(f"base: {DEFAULT}\noverrides:\n  - {{match: 'embed*', states: {{exp_avg_sq: {{bits: 8}}}}}}\n"
+                 "  - {match: '*.bias', enable: true}\n")
+    code, out, _ = run(capsys, "show", str(f), "--model-shapes", SHAPES)
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "8-bit unsigned power-1 rank1" in rows["embed.weight"]
+    assert "4-bit unsigned power-1 rank1" in rows["head.weight"]
+    assert "fp32" not in rows["layers.0.attn.bias"]                     # forced on below the threshold
+
+
+@pytest.mark.parametrize("spec", ["w=4xa", "w", "=4", "w=", "w=4x", "w=-1", "w=4,w=5", "a=1,,b=2", "w=4.5"])
+def test_show_bad_shapes_exit_2(capsys, spec):
+    code, out, err = run(capsys, "show", DEFAULT, "--model-shapes", spec)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--model-shapes" in lines[0]
+
+
+def test_show_bad_config_exit_1(capsys, tmp_path):
+    f = tmp_path / "bad.yml"
+    f.write_text("states: {exp_avg: {map: nonlinar}}\n")
+    code, out, err = run(capsys, "show", str(f), "--model-shapes", "w=5")
+    assert code == 1 and out == ""
+    assert err.strip() == (f"{f}: states.exp_avg.map: 'nonlinar' is not a valid map (allowed: nonlinear, "
+                           "nonlinear-nozero, power-1, power-2, power-3, linear, float-point); did you mean "
+                           "'nonlinear'?")
+
+
+def test_parse_model_shapes():
+    assert parse_model_shapes("a=4x5, b.c = 7 ,d=scalar,e=()") == [("a", (4, 5)), ("b.c", (7,)), ("d", ()), ("e", ())]
+    assert parse_model_shapes("w=2X3x4") == [("w", (2, 3, 4))]
+
+
+def test_model_shapes_may_repeat(capsys):
+    code, out, _ = run(capsys, "show", DEFAULT, "--model-shapes", "a=5", "--model-shapes", "b=6", "--json")
+    assert code == 0 and [p["name"] for p in json.loads(out)["params"]] == ["a", "b"]
+
+
+# -- help and usage ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [["--help"], ["validate", "--help"], ["show", "--help"]])
+def test_help(capsys, argv):
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "usage: qconf" in out
+
+
+def test_usage_errors(capsys):
+    assert run(capsys)[0] == 2
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys, "validate")[0] == 2
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("qconf ")
+
+
+# -- table formatter -------------------------------------------------------------------------------------
+def test_format_table():
+    text = format_table(["name", "n", "x"], [["a", 1, 0.5], ["long", 12345, None]])
+    assert text.splitlines() == [
+        "name      n      x",
+        "----  -----  -----",
+        "a         1  0.500",
+        "long  12345",
+    ]
+    with pytest.raises(ValueError):
+        format_table(["a"], [[1, 2]])
