@@ -6,9 +6,11 @@
 """
 from .codec import Codec, QTensor, create_qmap
 from .config import QConfig, StatePlan, load_config
+from .memory import MemoryReport, memory_report
 from .errors import QConfigError
+from . import optim  # noqa: E402  (qconf.optim.AdamW after `import qconf`)
 
 __version__ = "0.1.0"
 
-__all__ = ["Codec", "QTensor", "create_qmap", "QConfig", "StatePlan", "load_config", "QConfigError",
-           "__version__"]
+__all__ = ["Codec", "QTensor", "create_qmap", "QConfig", "StatePlan", "load_config", "QConfigError", "memory_report",
+           "MemoryReport", "optim", "__version__"]

@@ -1,0 +1,112 @@
+"""``memory_report(opt)``: optimizer-state bytes per state per parameter, totals, fp32 equivalent.
+
+Bytes come from the state tensors where they exist (a ``QTensor``'s packed codes + scales, or an
+fp32 tensor's storage) and from the plan before the first step; both agree. ``step`` counters are
+not counted. The fp32 equivalent is what torch.optim keeps: one fp32 tensor of the parameter's
+shape per optimizer state (two for Adam/AdamW, even when the second moment is factored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from ._table import format_table
+from .codec import QTensor
+from .config.plan import describe_codec
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+    """One parameter: ``states`` maps state key -> bytes, ``formats`` state key -> description."""
+
+    name: str
+    shape: tuple[int, ...]
+    states: dict[str, int]
+    formats: dict[str, str]
+    fp32_bytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.states.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-parameter rows plus totals; ``str()`` renders a table."""
+
+    rows: tuple[MemoryRow, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(r.numel for r in self.rows)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.total_bytes for r in self.rows)
+
+    @property
+    def fp32_bytes(self) -> int:
+        return sum(r.fp32_bytes for r in self.rows)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total_bytes / max(self.numel, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "params": [{"name": r.name, "shape": list(r.shape), "numel": r.numel, "states": dict(r.states),
+                        "formats": dict(r.formats), "total_bytes": r.total_bytes, "fp32_bytes": r.fp32_bytes}
+                       for r in self.rows],
+            "numel": self.numel,
+            "total_bytes": self.total_bytes,
+            "fp32_bytes": self.fp32_bytes,
+            "bytes_per_param": self.bytes_per_param,
+        }
+
+    def __str__(self) -> str:
+        keys = list(dict.fromkeys(k for r in self.rows for k in r.states))
+        header = ["param", "shape"] + [f"{k} (B)" for k in keys] + ["total (B)", "fp32 (B)", "B/param"]
+        body = []
+        for r in self.rows:
+            cells = [f"{r.states[k]} [{r.formats[k]}]" if k in r.states else "-" for k in keys]
+            body.append([r.name, "x".join(map(str, r.shape)) or "()", *cells, r.total_bytes, r.fp32_bytes,
+                         f"{r.total_bytes / max(r.numel, 1):.3f}"])
+        body.append(["total", str(self.numel), *[""] * len(keys), self.total_bytes, self.fp32_bytes,
+                     f"{self.bytes_per_param:.3f}"])
+        saved = 1 - self.total_bytes / self.fp32_bytes if self.fp32_bytes else 0.0
+        return format_table(header, body) + f"\nstate memory {self.total_bytes / 2**20:.2f} MiB vs fp32 " \
+            f"{self.fp32_bytes / 2**20:.2f} MiB ({saved:.1%} saved)"
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, QTensor):
+        return value.nbytes
+    return value.numel() * value.element_size()
+
+
+def memory_report(opt: Any) -> MemoryReport:
+    """Report the state memory of a qconf optimizer (see module docstring)."""
+    rows = []
+    for index, (name, p, group) in enumerate(opt._named_params()):
+        plan = opt.plan(index)
+        state = opt.state.get(p, {})
+        states, formats = {}, {}
+        for spec in opt._state_specs(group, p):
+            codec = opt._codec_for(plan, spec)
+            value = state.get(spec.key)
+            if value is not None:
+                states[spec.key] = _nbytes(value)
+                codec = value.codec if isinstance(value, QTensor) else None
+            else:
+                states[spec.key] = codec.nbytes(spec.shape) if codec is not None else 4 * math.prod(spec.shape)
+            formats[spec.key] = "fp32" if codec is None else describe_codec(codec, spec.shape)
+        fp32 = 4 * p.numel() * opt.fp32_state_count(group)
+        rows.append(MemoryRow(name or f"param{index}", tuple(p.shape), states, formats, fp32))
+    return MemoryReport(tuple(rows))

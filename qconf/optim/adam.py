@@ -1,0 +1,119 @@
+"""Adam and AdamW with quantized states (lpmm's "4-bit AdamW"), and the factored second moment
+(lpmm's "4-bit Factor").
+
+Update of one element at step t. Every operation is one correctly rounded fp32 operation, in this
+order, and the scalars are fp32 values computed once on the host in double precision -- the native
+kernels perform exactly the same sequence, so fused and reference results agree bit for bit::
+
+    g = -g                                  if maximize
+    p = p * (1 - lr*wd)                     AdamW (decoupled decay, before the update)
+    g = g + p * wd                          Adam (coupled L2 decay)
+    m = m * b1 + g * (1 - b1)
+    v = v * b2 + (g * g) * (1 - b2)         (factored: see below)
+    d = sqrt(v) / sqrt(1 - b2**t) + eps
+    p = p - (m / d) * (lr / (1 - b1**t))
+
+With quantization off this is torch.optim.Adam/AdamW's update up to rounding (torch uses lerp and
+addcdiv); parity is tested to 1e-6 relative over 100 steps.
+
+Factored second moment (Adafactor form as in lpmm, no eps1/clipping): row statistics
+``r = r * b2 + mean_{-1}(g*g) * (1 - b2)`` (shape ``p.shape[:-1]``), column statistics
+``c = c * b2 + mean_{-2}(g*g) * (1 - b2)`` (shape ``p.shape[:-2] + p.shape[-1:]``), and
+``v = (r / mean_{-1}(r))[..., None] * c[..., None, :]``; an all-zero row block gives v = 0 rather
+than lpmm's 0/0 = NaN. 1-D parameters keep a (quantized) dense ``exp_avg_sq``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ._validate import check_adam_like, refuse_unsupported, scalar
+from .base import QOptimizer, StateSpec
+
+_TORCH_ADAM_KEYS = {"amsgrad": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}
+
+
+class _AdamBase(QOptimizer):
+    decoupled_weight_decay: bool = True
+    qconf_only_group_keys = ("factor_second_moment",)
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 factor_second_moment: bool = False, maximize: bool = False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, qconfig: Any = None,
+                 fused: bool | None = None, seed: int | None = None) -> None:
+        betas = check_adam_like(lr, betas, eps, weight_decay)
+        refuse_unsupported(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
+                           differentiable=differentiable)
+        del foreach  # accepted for signature compatibility; qconf picks fused or reference itself
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
+                    "factor_second_moment": factor_second_moment}
+        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed)
+
+    def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
+        shape = tuple(p.shape)
+        specs = [StateSpec("exp_avg", "exp_avg", shape)]
+        if group["factor_second_moment"] and p.dim() >= 2:
+            specs.append(StateSpec("exp_avg_sq_row", None, shape[:-1]))
+            specs.append(StateSpec("exp_avg_sq_col", None, shape[:-2] + shape[-1:]))
+        else:
+            specs.append(StateSpec("exp_avg_sq", "exp_avg_sq", shape))
+        return specs
+
+    @staticmethod
+    def _factored_dense(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """The dense second moment ``(r / mean(r))[..., None] * c[..., None, :]`` of a factored state."""
+        mean = row.mean(dim=-1, keepdim=True)
+        r = torch.where(mean > 0, row / mean, torch.zeros_like(row))
+        return r.unsqueeze(-1) * col.unsqueeze(-2)
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
+                group: dict[str, Any], new: frozenset[str]) -> None:
+        lr = scalar(group["lr"])
+        beta1, beta2 = group["betas"]
+        wd = group["weight_decay"]
+        if group["maximize"]:
+            grad = -grad
+        if wd != 0:
+            if self.decoupled_weight_decay:
+                p.mul_(1 - lr * wd)
+            else:
+                grad = grad + p * wd
+        exp_avg = states["exp_avg"]
+        exp_avg.mul_(beta1).add_(grad * (1 - beta1))
+        g2 = grad * grad
+        if "exp_avg_sq" in states:
+            exp_avg_sq = states["exp_avg_sq"]
+            exp_avg_sq.mul_(beta2).add_(g2 * (1 - beta2))
+        else:
+            row, col = states["exp_avg_sq_row"], states["exp_avg_sq_col"]
+            row.mul_(beta2).add_(g2.mean(dim=-1) * (1 - beta2))
+            col.mul_(beta2).add_(g2.mean(dim=-2) * (1 - beta2))
+            exp_avg_sq = self._factored_dense(row, col)
+        t = float(step)
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        step_size = lr / (1 - beta1**t)
+        denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(group["eps"])
+        p.sub_(exp_avg.div(denom).mul_(step_size))
+
+
+class AdamW(_AdamBase):
+    """AdamW (decoupled weight decay) with quantized states; torch.optim.AdamW's arguments plus
+    ``factor_second_moment``, ``qconfig``, ``fused`` and ``seed`` (see :class:`QOptimizer`)."""
+
+    rule_name = "adamw"
+    decoupled_weight_decay = True
+    torch_group_defaults = {**_TORCH_ADAM_KEYS, "decoupled_weight_decay": True}
+
+
+class Adam(_AdamBase):
+    """Adam (coupled L2 weight decay, like torch.optim.Adam) with quantized states."""
+
+    rule_name = "adam"
+    decoupled_weight_decay = False
+    torch_group_defaults = {**_TORCH_ADAM_KEYS, "decoupled_weight_decay": False}
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0, amsgrad: bool = False, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

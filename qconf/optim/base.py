@@ -1,0 +1,337 @@
+"""``QOptimizer``: the one optimizer base. It owns parameter naming, StatePlan resolution, state
+creation, (de)quantization, checkpoints and the choice between the reference and fused paths.
+
+Subclasses are small update rules. They declare their states with :meth:`QOptimizer._state_specs`
+and implement :meth:`QOptimizer._update`, which reads and writes fp32 tensors only -- the rule never
+knows how a state is stored (seeds/002): the base decodes each quantized state to fp32 before the
+rule runs and encodes the result afterwards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from ..codec import QTensor
+from ..codec import rng
+from ..config import QConfig, StatePlan, WeightsConfig, load_config
+from . import checkpoint
+
+#: rng stream per quantized state (stochastic rounding of states); params use rng.STREAM_PARAM
+_STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AVG_SQ}
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+    """One optimizer state of a parameter.
+
+    Attributes:
+        key: the key in ``optimizer.state[p]`` (torch.optim's name, e.g. ``momentum_buffer``).
+        section: the qconfig state section that decides its codec (``exp_avg``/``exp_avg_sq``), or
+            None for states that are never quantized (factored row/column statistics).
+        shape: the state's shape (the parameter's, except for factored statistics).
+    """
+
+    key: str
+    section: str | None
+    shape: tuple[int, ...]
+
+
+class QOptimizer(Optimizer):
+    """Base class of qconf's low-bit optimizers (a :class:`torch.optim.Optimizer`).
+
+    Args:
+        params: parameters, ``model.named_parameters()`` (names feed the qconfig's ``overrides``),
+            or param-group dicts (whose ``params`` may also be ``(name, tensor)`` pairs).
+        defaults: hyperparameter defaults of the concrete optimizer.
+        qconfig: path, dict or :class:`~qconf.QConfig`; None means the built-in defaults (lpmm's
+            ``_C`` defaults: both states 4-bit group-128).
+        fused: None = use the native kernel when available, else the reference path with a warning;
+            True = native kernel or a clear error; False = reference path.
+        seed: seed of the counter-based RNG used for stochastic rounding (states and weights);
+            None takes ``torch.initial_seed()``. Saved in the state dict.
+    """
+
+    #: rule identifier passed to the native kernels (set by subclasses)
+    rule_name: str = ""
+    #: whether checkpoints must carry a step count (Adam's bias correction needs it; SGD's doesn't)
+    requires_step: bool = True
+    #: states torch.optim creates on first use and saves as None until then (SGD momentum_buffer)
+    lazy_states: tuple[str, ...] = ()
+    #: group keys that torch.optim does not know (dropped by export_torch_state_dict)
+    qconf_only_group_keys: tuple[str, ...] = ()
+    #: group keys torch.optim expects (added by export_torch_state_dict)
+    torch_group_defaults: dict[str, Any] = {}
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, qconfig: Any = None,
+                 fused: bool | None = None, seed: int | None = None) -> None:
+        self.qconfig: QConfig = load_config(qconfig if qconfig is not None else {})
+        self._seed = int(torch.initial_seed() if seed is None else seed) & rng.MASK64
+        self._enable_overrides: dict[int, bool] = {}
+        self._plans: dict[int, StatePlan] = {}
+        self._index_cache: tuple[int, dict[int, int]] | None = None
+        super().__init__(params, defaults)
+        self._kernel = _choose_kernel(type(self).__name__, fused)
+
+    # -- parameters and names ---------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, also accepting ``(name, tensor)`` pairs on every torch >= 2.4."""
+        params = param_group.get("params")
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif params is not None and not isinstance(params, set):
+            params = list(params)
+        if params and all(isinstance(x, tuple) and len(x) == 2 for x in params):
+            param_group = dict(param_group)
+            param_group["param_names"] = [str(n) for n, _ in params]
+            param_group["params"] = [t for _, t in params]
+        elif params is not None and not isinstance(params, set):
+            param_group = dict(param_group, params=params)
+        super().add_param_group(param_group)
+        self._index_cache = None
+
+    def _param_index(self) -> dict[int, int]:
+        """id(param) -> global index (the order of ``state_dict``), rebuilt when groups change."""
+        count = sum(len(g["params"]) for g in self.param_groups)
+        if self._index_cache is None or self._index_cache[0] != count:
+            index = {}
+            for g in self.param_groups:
+                for p in g["params"]:
+                    index.setdefault(id(p), len(index))
+            self._index_cache = (count, index)
+        return self._index_cache[1]
+
+    def _named_params(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+        """(name, param, group) for every parameter in state_dict order; unnamed params get ''."""
+        out = []
+        for g in self.param_groups:
+            names = g.get("param_names") or [""] * len(g["params"])
+            out.extend((n, p, g) for n, p in zip(names, g["params"]))
+        return out
+
+    def param_name(self, index: int) -> str:
+        """The qualified name of parameter ``index`` ('' if the optimizer was given plain tensors)."""
+        return self._named_params()[index][0]
+
+    def _describe(self, index: int) -> str:
+        name = self.param_name(index)
+        return f"parameter {index} ({name!r})" if name else f"parameter {index}"
+
+    # -- plans --------------------------------------------------------------------------------
+    def plan(self, index: int) -> StatePlan:
+        """The resolved :class:`StatePlan` of parameter ``index`` (cached until overrides change)."""
+        plan = self._plans.get(index)
+        if plan is None:
+            name, p, _ = self._named_params()[index]
+            plan = self.qconfig.plan(name, tuple(p.shape), force_enable=self._enable_overrides.get(index))
+            if plan.weights != WeightsConfig():
+                raise NotImplementedError(
+                    f"{self._describe(index)}: weights.rounding={plan.weights.rounding!r} / weights.compensation="
+                    f"{plan.weights.compensation!r} is not implemented by the optimizers yet; use the defaults "
+                    "(rounding: nearest, compensation: none)")
+            self._plans[index] = plan
+        return plan
+
+    def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
+        """The states this rule keeps for ``p`` under ``group``'s hyperparameters."""
+        raise NotImplementedError
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
+                group: dict[str, Any], new: frozenset[str]) -> None:
+        """Apply one step of the update rule in fp32, in place on ``p`` and ``states``.
+
+        ``p``: fp32 parameter values; ``grad``: fp32 gradient (read only); ``states``: fp32 state
+        values keyed by spec key; ``step``: the step count after incrementing (1 on the first step);
+        ``new``: keys of states created in this step (SGD starts its buffer from the gradient).
+        """
+        raise NotImplementedError
+
+    def fp32_state_count(self, group: dict[str, Any]) -> int:
+        """How many fp32 param-shaped states torch.optim keeps for this rule (memory_report)."""
+        return len({spec.section for spec in self._state_specs(group, _META_PARAM) if spec.section})
+
+    def _codec_for(self, plan: StatePlan, spec: StateSpec):
+        return plan.codec(spec.section) if spec.section is not None else None
+
+    def _new_state_value(self, spec: StateSpec, plan: StatePlan, device: torch.device):
+        codec = self._codec_for(plan, spec)
+        if codec is None:
+            return torch.zeros(spec.shape, dtype=torch.float32, device=device)
+        return QTensor.zeros(spec.shape, codec, device)
+
+    def _ensure_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> frozenset[str]:
+        """Create missing states of ``p``; returns the keys created now."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        plan = self.plan(index)
+        created = []
+        for spec in self._state_specs(group, p):
+            if state.get(spec.key) is None:
+                state[spec.key] = self._new_state_value(spec, plan, p.device)
+                created.append(spec.key)
+        return frozenset(created)
+
+    # -- override_quantize_enable ------------------------------------------------------------
+    def override_quantize_enable(self, module: torch.nn.Module, param_name: str, enable: bool) -> None:
+        """Force quantization of every state of ``module.<param_name>`` on or off (lpmm's API).
+
+        Unlike lpmm this is valid at any time: existing states are converted on the spot (decoded
+        to fp32, or encoded with the codec the qconfig gives that parameter), and the override is
+        saved in ``state_dict()``. ``enable=True`` quantizes even below ``min_numel``.
+        """
+        p = getattr(module, param_name, None)
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"{type(module).__name__} has no tensor attribute {param_name!r}")
+        index = self._param_index().get(id(p))
+        if index is None:
+            raise ValueError(f"{type(module).__name__}.{param_name} is not optimized by this optimizer")
+        self._enable_overrides[index] = bool(enable)
+        self._plans.pop(index, None)
+        self._requantize_param(index)
+
+    def _requantize_param(self, index: int) -> None:
+        """Bring the existing states of parameter ``index`` in line with its current plan."""
+        _, p, group = self._named_params()[index]
+        state = self.state.get(p)
+        if not state:
+            return
+        plan = self.plan(index)
+        for spec in self._state_specs(group, p):
+            value = state.get(spec.key)
+            if value is None:
+                continue
+            state[spec.key] = _convert(value, self._codec_for(plan, spec))
+
+    # -- step ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = self._param_index()
+        for group in self.param_groups:
+            work = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                i = index[id(p)]
+                new = self._ensure_state(p, i, group)
+                work.append((p, i, new))
+            if not work:
+                continue
+            if self._kernel is not None:
+                self._kernel.step(self, group, work)
+            else:
+                for p, i, new in work:
+                    self._reference_step(p, i, group, new)
+        return loss
+
+    def _reference_step(self, p: torch.Tensor, index: int, group: dict[str, Any], new: frozenset[str]) -> None:
+        state = self.state[p]
+        state["step"] += 1
+        step = int(state["step"].item())
+        plan = self.plan(index)
+        specs = self._state_specs(group, p)
+        values = {}
+        for spec in specs:
+            v = state[spec.key]
+            values[spec.key] = v.decode() if isinstance(v, QTensor) else v  # fp32 states update in place
+        p32 = p if p.dtype == torch.float32 else p.float()
+        grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+        self._update(p32, grad, values, step, group, new)
+        for spec in specs:
+            old = state[spec.key]
+            if isinstance(old, QTensor):
+                noise = self._noise(old.codec, step, index, spec, p.device)
+                state[spec.key] = old.codec.encode(values[spec.key], noise=noise)
+        if p32 is not p:
+            p.copy_(p32)
+
+    def _noise(self, codec, step: int, index: int, spec: StateSpec, device: torch.device) -> torch.Tensor | None:
+        """Counter-based uniforms for stochastic rounding of one state (None for nearest)."""
+        if codec.rounding != "stochastic":
+            return None
+        key = rng.stream_key(self._seed, step, index, _STATE_STREAMS[spec.section])
+        return rng.uniform(key, math.prod(spec.shape), device=device)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict with quantized states as plain dicts and a ``qconf`` section.
+
+        Loads with ``torch.load(weights_only=True)``. Layout::
+
+            {"state": {i: {"step": tensor, "exp_avg": {"codes", "scales", "shape", "codec"} | tensor, ...}},
+             "param_groups": [...],
+             "qconf": {"format_version": 1, "qconfig": {...}, "seed": int, "enable_overrides": {i: bool}}}
+        """
+        sd = super().state_dict()
+        sd["state"] = {i: {k: (v.to_dict() if isinstance(v, QTensor) else v) for k, v in s.items()}
+                       for i, s in sd["state"].items()}
+        sd["qconf"] = {
+            "format_version": checkpoint.FORMAT_VERSION,
+            "optimizer": type(self).__name__,
+            "qconfig": self.qconfig.to_dict(),
+            "seed": self._seed,
+            "enable_overrides": dict(self._enable_overrides),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a qconf state dict (any qconfig: states are re-encoded to this optimizer's plan) or
+        a torch.optim AdamW/Adam/SGD state dict (states are quantized on load).
+
+        Everything is validated before anything changes: on error a ``ValueError`` names the
+        parameter and key, and the optimizer is left exactly as it was.
+        """
+        loaded = checkpoint.parse(self, state_dict)
+        self._enable_overrides = loaded.enable_overrides
+        self._seed = loaded.seed
+        self._plans = {}
+        for group, hyper in zip(self.param_groups, loaded.group_hyper):
+            group.update(hyper)
+        self.state.clear()
+        params = [p for _, p, _ in self._named_params()]
+        for index, entry in loaded.states.items():
+            self.state[params[index]] = entry
+
+
+_META_PARAM = torch.empty(2, device="meta")  # 1-D stand-in: no factoring, one spec per torch.optim state
+
+
+def _convert(value: Any, codec) -> Any:
+    """Re-express one state value (fp32 tensor or QTensor) under ``codec`` (None = fp32)."""
+    if isinstance(value, QTensor):
+        if value.codec == codec:
+            return value
+        value = value.decode()
+    if codec is None:
+        return value.to(torch.float32)
+    return codec.encode(value)
+
+
+def _choose_kernel(opt_name: str, fused: bool | None):
+    """Native kernel driver or None (reference path), following the ``fused`` argument."""
+    if fused is not None and not isinstance(fused, bool):
+        raise ValueError(f"fused must be None, True or False, got {fused!r}")
+    if fused is False:
+        return None
+    from .. import ops
+
+    if ops.fused_available():
+        return ops.FusedStepper()
+    if fused:
+        raise RuntimeError(f"{opt_name}(fused=True) needs the native extension qconf._C, which is not built "
+                           f"({ops.native_error()}); reinstall with `pip install --no-build-isolation .` "
+                           "or pass fused=None/False for the reference path")
+    warnings.warn(f"{opt_name}: native extension qconf._C is unavailable ({ops.native_error()}); "
+                  "using the (slower) reference path", stacklevel=3)
+    return None

@@ -1,0 +1,1 @@
+"""Config comparison studies (qconf compare) and their built-in tasks."""

@@ -1,0 +1,81 @@
+"""Shared test fixtures: small models, a real learning task, state comparison."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def mlp(seed: int = 0, sizes=(64, 96, 96, 10), dtype=torch.float32) -> torch.nn.Sequential:
+    """An MLP whose hidden weights exceed 4096 elements (quantized) and whose biases do not."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def regression_batches(n_steps: int, seed: int = 0, in_dim: int = 64, out_dim: int = 10, batch: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(in_dim, out_dim, generator=g)
+    for _ in range(n_steps):
+        x = torch.randn(batch, in_dim, generator=g)
+        yield x, torch.tanh(x @ w / 8)
+
+
+def train_steps(model, opt, n_steps: int, seed: int = 0, dtype=torch.float32, on_step=None):
+    """Run n_steps of MSE regression; returns the list of losses. Optimizers with ``maximize=True``
+    get the negated loss, so every run descends the same landscape."""
+    losses = []
+    sign = -1.0 if opt.param_groups[0].get("maximize") else 1.0
+    for i, (x, y) in enumerate(regression_batches(n_steps, seed)):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+        (sign * loss).backward()
+        opt.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(i)
+    return losses
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-6) -> None:
+    """max|actual - expected| <= rel * max|expected| (relative to the tensor's magnitude, so a
+    1-ulp difference on a weight near zero does not count as a large relative error)."""
+    err = (actual.detach().float() - expected.detach().float()).abs().max().item()
+    ref = expected.detach().float().abs().max().item()
+    assert err <= rel * ref, f"max abs diff {err:.3e} > {rel:g} * max|expected| {ref:.3e}"
+
+
+def flat_state(opt) -> dict:
+    """Every tensor of an optimizer's state_dict, keyed by path (for exact comparisons)."""
+    out = {}
+
+    def walk(prefix, v):
+        if isinstance(v, torch.Tensor):
+            out[prefix] = v.detach().clone()
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}.{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for k, x in enumerate(v):
+                walk(f"{prefix}[{k}]", x)
+        else:
+            out[prefix] = v
+
+    walk("", opt.state_dict())
+    return out
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
