@@ -1,23 +1,53 @@
-// The qconf._C extension: a plain Python module (no pybind11) whose import registers the
-// qconf::* operators with torch.library; Python reaches them as torch.ops.qconf.<name>.
+// The qconf._C extension: a plain Python module (no pybind11) whose import registers the qconf::*
+// operators with torch.library; Python reaches them as torch.ops.qconf.<name>.
+//
+//   fused_step   one optimizer step for all parameters of a param group (functional form, usable
+//                under torch.compile; fake impl in qconf/ops/__init__.py)
+//   StepPlan     the same step with the per-parameter tensors kept on the C++ side, so an eager
+//                step only passes the gradients (per-tensor argument overhead matters at 1000s
+//                of small parameters)
 #include <Python.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 #include "qconf/isa.h"
+#include "qconf/step_driver.h"
 
 namespace {
 
 std::string cpu_isa() { return qconf::isa_name(qconf::selected_isa()); }
 std::string cpu_isa_best() { return qconf::isa_name(qconf::detect_isa()); }
 
+struct StepPlan : torch::CustomClassHolder {
+  int64_t rule;
+  std::vector<at::Tensor> params, steps, states;
+  at::Tensor meta, tables;
+  StepPlan(int64_t rule_, std::vector<at::Tensor> params_, std::vector<at::Tensor> steps_,
+           std::vector<at::Tensor> states_, at::Tensor meta_, at::Tensor tables_)
+      : rule(rule_), params(std::move(params_)), steps(std::move(steps_)), states(std::move(states_)),
+        meta(std::move(meta_)), tables(std::move(tables_)) {}
+  void run(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper, int64_t seed) {
+    qconf::fused_step_cpu(rule, params, grads, steps, states, meta, tables, hyper, seed);
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(qconf, m) {
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_isa_best() -> str", &cpu_isa_best);
+  m.def("fused_step(int rule, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, Tensor(c!)[] states, "
+        "Tensor meta, Tensor tables, float[] hyper, int seed) -> ()");
+  m.class_<StepPlan>("StepPlan")
+      .def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                       at::Tensor>())
+      .def("run", &StepPlan::run);
 }
+
+TORCH_LIBRARY_IMPL(qconf, CPU, m) { m.impl("fused_step", &qconf::fused_step_cpu); }
 
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "qconf native kernels", -1, nullptr};

@@ -13,6 +13,10 @@ except ImportError as e:  # pragma: no cover - depends on the build
     _IMPORT_ERROR = str(e)
 
 
+if _C is not None:
+    from .step import FusedStepper, unfusable_reason  # noqa: F401  (registers the fake impls)
+
+
 def native_available() -> bool:
     """True when the compiled extension ``qconf._C`` is importable."""
     return _C is not None

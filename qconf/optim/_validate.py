@@ -1,4 +1,5 @@
-"""Argument validation shared by the optimizers; messages match torch.optim's."""
+"""Argument validation and small numeric helpers shared by the optimizers (messages match
+torch.optim's)."""
 from __future__ import annotations
 
 from typing import Any
@@ -43,3 +44,12 @@ def refuse_unsupported(name: str, *, amsgrad: bool = False, capturable: bool = F
         raise ValueError(f"{name}: capturable=True (CUDA graph capture) is not supported; use capturable=False")
     if differentiable:
         raise ValueError(f"{name}: differentiable=True is not supported; use differentiable=False")
+
+
+def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (what the native kernels compute).
+
+    torch's float32 ``sqrt`` on CPU is not always correctly rounded; the float64 square root
+    rounded to float32 is (double rounding is innocuous for sqrt: 53 >= 2 * 24 + 2 bits).
+    """
+    return x.double().sqrt_().float()

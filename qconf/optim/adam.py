@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ._validate import check_adam_like, refuse_unsupported, scalar
+from ._validate import check_adam_like, ieee_sqrt, refuse_unsupported, scalar
 from .base import QOptimizer, StateSpec
 
 _TORCH_ADAM_KEYS = {"amsgrad": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}
@@ -60,6 +60,11 @@ class _AdamBase(QOptimizer):
         else:
             specs.append(StateSpec("exp_avg_sq", "exp_avg_sq", shape))
         return specs
+
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        beta1, beta2 = group["betas"]
+        return [scalar(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], 0.0, 0.0,
+                float(group["maximize"]), 0.0, float(self.decoupled_weight_decay)]
 
     @staticmethod
     def _factored_dense(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -94,7 +99,7 @@ class _AdamBase(QOptimizer):
         t = float(step)
         bias_correction2_sqrt = (1 - beta2**t) ** 0.5
         step_size = lr / (1 - beta1**t)
-        denom = exp_avg_sq.sqrt().div_(bias_correction2_sqrt).add_(group["eps"])
+        denom = ieee_sqrt(exp_avg_sq).div_(bias_correction2_sqrt).add_(group["eps"])
         p.sub_(exp_avg.div(denom).mul_(step_size))
 
 

@@ -74,7 +74,10 @@ class QOptimizer(Optimizer):
         self._enable_overrides: dict[int, bool] = {}
         self._plans: dict[int, StatePlan] = {}
         self._index_cache: tuple[int, dict[int, int]] | None = None
+        self._layout_version = 0  # bumped whenever states are created, converted or replaced
+        self._fusable_cache: dict[int, tuple[Any, bool]] = {}
         super().__init__(params, defaults)
+        self._fused = fused
         self._kernel = _choose_kernel(type(self).__name__, fused)
 
     # -- parameters and names ---------------------------------------------------------------
@@ -93,6 +96,7 @@ class QOptimizer(Optimizer):
             param_group = dict(param_group, params=params)
         super().add_param_group(param_group)
         self._index_cache = None
+        self._layout_version = getattr(self, "_layout_version", 0) + 1
 
     def _param_index(self) -> dict[int, int]:
         """id(param) -> global index (the order of ``state_dict``), rebuilt when groups change."""
@@ -174,6 +178,8 @@ class QOptimizer(Optimizer):
             if state.get(spec.key) is None:
                 state[spec.key] = self._new_state_value(spec, plan, p.device)
                 created.append(spec.key)
+        if created:
+            self._layout_version += 1
         return frozenset(created)
 
     # -- override_quantize_enable ------------------------------------------------------------
@@ -206,6 +212,7 @@ class QOptimizer(Optimizer):
             if value is None:
                 continue
             state[spec.key] = _convert(value, self._codec_for(plan, spec))
+        self._layout_version += 1
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -217,7 +224,9 @@ class QOptimizer(Optimizer):
                 loss = closure()
         index = self._param_index()
         for group in self.param_groups:
-            work = []
+            if self._kernel is not None and self._fusable(group):
+                self._kernel.step_group(self, group)
+                continue
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -225,15 +234,34 @@ class QOptimizer(Optimizer):
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 i = index[id(p)]
                 new = self._ensure_state(p, i, group)
-                work.append((p, i, new))
-            if not work:
-                continue
-            if self._kernel is not None:
-                self._kernel.step(self, group, work)
-            else:
-                for p, i, new in work:
-                    self._reference_step(p, i, group, new)
+                self._reference_step(p, i, group, new)
         return loss
+
+    def _fusable(self, group: dict[str, Any]) -> bool:
+        """Whether every parameter of ``group`` can take the fused step. With ``fused=True`` an
+        unfusable parameter is an error naming it; with ``fused=None`` the group falls back to the
+        reference path with a warning."""
+        key = (self._layout_version, len(group["params"]))
+        cached = self._fusable_cache.get(id(group))
+        if cached is None or cached[0] != key:
+            from ..ops import unfusable_reason
+
+            index = self._param_index()
+            problems = [f"{self._describe(index[id(p)])} has {r}" for p in group["params"]
+                        if (r := unfusable_reason(p)) is not None]
+            if problems and self._fused:
+                raise RuntimeError(f"{type(self).__name__}(fused=True) cannot fuse: " + "; ".join(problems))
+            if problems:
+                warnings.warn(f"{type(self).__name__}: using the reference path for a param group because "
+                              + "; ".join(problems), stacklevel=3)
+            cached = (key, not problems)
+            self._fusable_cache[id(group)] = cached
+        return cached[1]
+
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        """The kernel's hyperparameters: lr, beta1, beta2, eps, weight_decay, momentum, dampening,
+        maximize, nesterov, decoupled (see csrc/include/qconf/step_driver.h)."""
+        raise NotImplementedError
 
     def _reference_step(self, p: torch.Tensor, index: int, group: dict[str, Any], new: frozenset[str]) -> None:
         state = self.state[p]
@@ -293,6 +321,7 @@ class QOptimizer(Optimizer):
         parameter and key, and the optimizer is left exactly as it was.
         """
         loaded = checkpoint.parse(self, state_dict)
+        self._layout_version += 1
         self._enable_overrides = loaded.enable_overrides
         self._seed = loaded.seed
         self._plans = {}

@@ -34,6 +34,11 @@ class Lion(QOptimizer):
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         return [StateSpec("exp_avg", "exp_avg", tuple(p.shape))]
 
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        beta1, beta2 = group["betas"]
+        return [scalar(group["lr"]), beta1, beta2, 0.0, group["weight_decay"], 0.0, 0.0,
+                float(group["maximize"]), 0.0, 1.0]
+
     def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
                 group: dict[str, Any], new: frozenset[str]) -> None:
         lr = scalar(group["lr"])

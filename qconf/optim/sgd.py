@@ -52,6 +52,10 @@ class SGD(QOptimizer):
             return []
         return [StateSpec("momentum_buffer", "exp_avg", tuple(p.shape))]
 
+    def _hyper(self, group: dict[str, Any]) -> list[float]:
+        return [scalar(group["lr"]), 0.0, 0.0, 0.0, group["weight_decay"], group["momentum"], group["dampening"],
+                float(group["maximize"]), float(group["nesterov"]), 0.0]
+
     def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
                 group: dict[str, Any], new: frozenset[str]) -> None:
         momentum, dampening, wd = group["momentum"], group["dampening"], group["weight_decay"]

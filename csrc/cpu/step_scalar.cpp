@@ -1,0 +1,21 @@
+// The CPU step kernel compiled for one instruction set (scalar). Everything ISA-specific lives in
+// namespace qconf::isa_scalar, so the three builds of the same template never share a symbol.
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+#include <cstdint>
+
+#include "qconf/element.h"
+#include "qconf/step_types.h"
+
+#if defined(__x86_64__) || defined(_M_X64)  // elsewhere every build is the portable one
+
+#define QCONF_ISA_SCALAR
+#endif
+
+namespace qconf {
+namespace isa_scalar {
+#include "qconf/simd.h"
+#include "qconf/step_cpu.h"
+}  // namespace isa_scalar
+}  // namespace qconf

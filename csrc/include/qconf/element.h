@@ -1,0 +1,264 @@
+// Per-element math shared by the CPU kernels (scalar and SIMD) and the CUDA kernels.
+//
+// Everything here is __host__ __device__ and written against a "float-like" type T: plain float on
+// the scalar CPU path and on the GPU, a SIMD vector on the AVX2/AVX-512 paths (simd.h provides the
+// same operators and functions for vectors). Every formula is a sequence of individually rounded
+// IEEE fp32 operations in the same order as the reference path (qconf/optim/*.py,
+// qconf/codec/*.py); the extension is built with -ffp-contract=off (nvcc: --fmad=false) so no
+// multiply-add is fused and results are bit-identical to the reference.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define QCONF_HD __host__ __device__ __forceinline__
+#else
+#define QCONF_HD inline __attribute__((always_inline))
+#endif
+
+namespace qconf {
+
+// ---------------------------------------------------------------------------------------------
+// bit casts and fp32 <-> bf16 / fp16
+QCONF_HD uint32_t f32_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+
+QCONF_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+
+QCONF_HD float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even; NaN stays a (quiet) NaN with its sign.
+QCONF_HD uint16_t f32_to_bf16_rne(float x) {
+  uint32_t u = f32_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// IEEE half <-> float without hardware support (used on the scalar path; SIMD paths use F16C).
+QCONF_HD float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (mant << 13));  // inf / nan
+  if (exp == 0) {
+    if (mant == 0) return bits_f32(sign);
+    // subnormal: value = mant * 2^-24
+    float v = static_cast<float>(mant) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// Round to nearest even (the same result as the hardware conversion / torch's .half()).
+QCONF_HD uint16_t f32_to_f16_rne(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // nan
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow (>= 65520) -> inf
+  if (a < 0x38800000u) {  // below the smallest normal half (2^-14): subnormal or zero
+    // round(x / 2^-24) to nearest even by one fp32 addition: the ulp of 0.5 is 2^-24
+    const float f = bits_f32(a) + 0.5f;
+    return static_cast<uint16_t>(sign | (f32_bits(f) - 0x3f000000u));
+  }
+  const uint32_t mant_odd = (a >> 13) & 1u;
+  const uint32_t r = a + 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round
+  return static_cast<uint16_t>(sign | (r >> 13));
+}
+
+// ---------------------------------------------------------------------------------------------
+// counter-based random numbers (qconf/codec/rng.py)
+QCONF_HD uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+struct StreamKey {
+  uint32_t k0, k1;
+};
+
+// Keys of the random stream for (seed, step, tensor, stream); same chain as rng.stream_key.
+QCONF_HD StreamKey stream_key(uint64_t seed, uint64_t step, uint64_t tensor, uint64_t stream) {
+  uint64_t h = splitmix64(seed);
+  h = splitmix64(h ^ step);
+  h = splitmix64(h ^ tensor);
+  h = splitmix64(h ^ stream);
+  return StreamKey{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32)};
+}
+
+// "lowbias32" integer hash (T = uint32_t or a vector of uint32 lanes).
+template <class U>
+QCONF_HD U mix32(U x) {
+  x = x ^ (x >> 16);
+  x = x * U(0x7feb352du);
+  x = x ^ (x >> 15);
+  x = x * U(0x846ca68bu);
+  return x ^ (x >> 16);
+}
+
+// 32 random bits for element i of a stream.
+QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) {
+  const uint32_t h = mix32<uint32_t>(static_cast<uint32_t>(i) ^ k.k0);
+  return mix32<uint32_t>(h ^ (static_cast<uint32_t>(i >> 32) + k.k1));
+}
+
+// Uniform in [0, 1) with 24-bit resolution (exact in fp32).
+QCONF_HD float uniform01(uint32_t bits) { return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f; }
+
+// ---------------------------------------------------------------------------------------------
+// scales
+constexpr float kFltMin = 1.1754943508222875e-38f;  // 2^-126
+
+// |x| as an int for max reductions: for non-negative floats the integer order is the float order,
+// and NaN (> 0x7f800000) > Inf (0x7f800000) > every finite value, so a max over these bits
+// propagates NaN, then Inf -- the reference's NaN-propagating absmax.
+QCONF_HD uint32_t abs_bits(float x) { return f32_bits(x) & 0x7fffffffu; }
+
+// Stored scale from the max of abs_bits over a block: Inf becomes NaN (a non-finite block is
+// poisoned, never Inf), a nonzero value below FLT_MIN becomes FLT_MIN.
+QCONF_HD float scale_from_absmax_bits(uint32_t m) {
+  if (m >= 0x7f800000u) return bits_f32(0x7fc00000u);
+  const float s = bits_f32(m);
+  return (m != 0 && s < kFltMin) ? kFltMin : s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantization (scalar forms; simd.h has the vector forms with the same results)
+//
+// Tables are padded to 256 entries: `mids` holds the L-1 fp32 midpoints then +inf, `qsearch` the
+// L map values then +inf, `qmap` the L map values (codes never exceed L-1).
+
+// Nearest: #{k : mids[k] < n} by a branchless binary search over 2^bits padded entries. NaN -> 0.
+QCONF_HD int quantize_nearest(float n, const float* mids, int bits) {
+  int c = 0;
+  for (int step = 1 << (bits - 1); step > 0; step >>= 1) c += (mids[c + step - 1] < n) ? step : 0;
+  return c;
+}
+
+// Stochastic: round between the bracketing codes with probability proportional to proximity.
+QCONF_HD int quantize_stochastic(float n, float u, const float* qmap, const float* qsearch, int levels, int bits) {
+  if (n != n) return 0;
+  const float lo_v = qmap[0], hi_v = qmap[levels - 1];
+  n = n < lo_v ? lo_v : n;
+  n = n > hi_v ? hi_v : n;
+  int c = 0;  // #{k : qsearch[k] <= n}
+  for (int step = 1 << (bits - 1); step > 0; step >>= 1) c += (qsearch[c + step - 1] <= n) ? step : 0;
+  int lo = c - 1;
+  lo = lo < 0 ? 0 : lo;
+  lo = lo > levels - 2 ? levels - 2 : lo;
+  const float q_lo = qmap[lo], q_hi = qmap[lo + 1];
+  const float p_up = (n - q_lo) / (q_hi - q_lo);  // zero-width interval: NaN, never rounds up
+  return lo + (u < p_up ? 1 : 0);
+}
+
+// Normalize with a reciprocal scale: r = inf marks a zero scale (the whole block is zero).
+QCONF_HD float normalize(float x, float r) { return f32_bits(r) == 0x7f800000u ? 0.0f : x * r; }
+
+// fmin/fmax that ignore NaN (like torch.fmin/fmax): used to combine rank-1 per-dim scales.
+QCONF_HD float fmin_nan(float a, float b) { return a != a ? b : (b != b ? a : (b < a ? b : a)); }
+QCONF_HD float fmax_nan(float a, float b) { return a != a ? b : (b != b ? a : (b > a ? b : a)); }
+
+// ---------------------------------------------------------------------------------------------
+// update rules: one correctly rounded fp32 operation per step, in the reference order.
+// T is float (scalar CPU path, CUDA) or a SIMD vector.
+
+struct Scalars {
+  float lr, b1, omb1, b2, omb2, eps, wd, decay, step_size, bc2_sqrt, momentum, omdamp;
+  int32_t maximize, has_wd, decoupled, nesterov, has_momentum, first;
+};
+
+QCONF_HD float qsqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return __builtin_sqrtf(x);
+#endif
+}
+
+QCONF_HD float qdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// torch.sign: +1, -1, or 0 for +-0 and NaN.
+QCONF_HD float qsign(float x) { return static_cast<float>((x > 0.0f) - (x < 0.0f)); }
+
+// Adam / AdamW. With a factored second moment `v` is the reconstructed value and is not stored.
+struct AdamRule {
+  static constexpr int kStates = 2;
+  template <class T>
+  QCONF_HD static void apply(T& p, T g, T& m, T& v, const Scalars& h, bool update_v = true) {
+    if (h.maximize) g = -g;
+    if (h.has_wd) {
+      if (h.decoupled) p = p * T(h.decay);
+      else g = g + p * T(h.wd);
+    }
+    m = m * T(h.b1) + g * T(h.omb1);
+    if (update_v) v = v * T(h.b2) + (g * g) * T(h.omb2);
+    const T d = qdiv(qsqrt(v), T(h.bc2_sqrt)) + T(h.eps);
+    p = p - qdiv(m, d) * T(h.step_size);
+  }
+  // The gradient the second moment sees (for the factored statistics).
+  template <class T>
+  QCONF_HD static T effective_grad(T p, T g, const Scalars& h) {
+    if (h.maximize) g = -g;
+    if (h.has_wd && !h.decoupled) g = g + p * T(h.wd);
+    return g;
+  }
+};
+
+// SGD with momentum / dampening / Nesterov; state 0 is the momentum buffer.
+struct SgdRule {
+  static constexpr int kStates = 1;
+  template <class T>
+  QCONF_HD static void apply(T& p, T g, T& b, T& /*unused*/, const Scalars& h, bool = true) {
+    if (h.maximize) g = -g;
+    if (h.has_wd) g = g + p * T(h.wd);
+    if (h.has_momentum) {
+      if (h.first) b = g;
+      else b = b * T(h.momentum) + g * T(h.omdamp);
+      if (h.nesterov) g = g + b * T(h.momentum);
+      else g = b;
+    }
+    p = p - g * T(h.lr);
+  }
+};
+
+// Lion; state 0 is the momentum.
+struct LionRule {
+  static constexpr int kStates = 1;
+  template <class T>
+  QCONF_HD static void apply(T& p, T g, T& m, T& /*unused*/, const Scalars& h, bool = true) {
+    if (h.maximize) g = -g;
+    if (h.has_wd) p = p * T(h.decay);
+    const T c = m * T(h.b1) + g * T(h.omb1);
+    p = p - qsign(c) * T(h.lr);
+    m = m * T(h.b2) + g * T(h.omb2);
+  }
+};
+
+enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2 };
+
+}  // namespace qconf

@@ -1,0 +1,258 @@
+// SIMD traits for the CPU kernel template: one struct per instruction set with the same
+// interface and bit-identical results (every operation is the IEEE fp32 operation or an exact
+// integer operation). Include after the ISA's `#pragma GCC target`, inside that ISA's namespace
+// (see csrc/cpu/step_*.cpp), with <immintrin.h> (x86) and qconf/element.h included before.
+//
+//   F  float lanes      I  uint32 lanes      M  lane mask      W  lanes per vector
+#pragma once
+
+#if defined(QCONF_ISA_AVX512)
+
+struct VF {
+  __m512 v;
+  VF() = default;
+  VF(__m512 x) : v(x) {}
+  VF(float x) : v(_mm512_set1_ps(x)) {}
+};
+struct VI {
+  __m512i v;
+  VI() = default;
+  VI(__m512i x) : v(x) {}
+  VI(uint32_t x) : v(_mm512_set1_epi32(static_cast<int>(x))) {}
+};
+inline VF operator+(VF a, VF b) { return _mm512_add_ps(a.v, b.v); }
+inline VF operator-(VF a, VF b) { return _mm512_sub_ps(a.v, b.v); }
+inline VF operator*(VF a, VF b) { return _mm512_mul_ps(a.v, b.v); }
+inline VF operator-(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN))); }
+inline VF qdiv(VF a, VF b) { return _mm512_div_ps(a.v, b.v); }
+inline VF qsqrt(VF a) { return _mm512_sqrt_ps(a.v); }
+inline VF qsign(VF a) {
+  const __mmask16 pos = _mm512_cmp_ps_mask(a.v, _mm512_setzero_ps(), _CMP_GT_OQ);
+  const __mmask16 neg = _mm512_cmp_ps_mask(a.v, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_setzero_ps(), pos, _mm512_set1_ps(1.0f)), neg,
+                            _mm512_set1_ps(-1.0f));
+}
+inline VI operator^(VI a, VI b) { return _mm512_xor_si512(a.v, b.v); }
+inline VI operator&(VI a, VI b) { return _mm512_and_si512(a.v, b.v); }
+inline VI operator|(VI a, VI b) { return _mm512_or_si512(a.v, b.v); }
+inline VI operator+(VI a, VI b) { return _mm512_add_epi32(a.v, b.v); }
+inline VI operator-(VI a, VI b) { return _mm512_sub_epi32(a.v, b.v); }
+inline VI operator*(VI a, VI b) { return _mm512_mullo_epi32(a.v, b.v); }
+inline VI operator>>(VI a, int s) { return _mm512_srli_epi32(a.v, s); }
+inline VI operator<<(VI a, int s) { return _mm512_slli_epi32(a.v, s); }
+
+struct Isa {
+  using F = VF;
+  using I = VI;
+  using M = __mmask16;
+  static constexpr int W = 16;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x.v); }
+  static I load_i(const uint32_t* p) { return _mm512_loadu_si512(p); }
+  static void store_i(uint32_t* p, I x) { _mm512_storeu_si512(p, x.v); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static I bits(F x) { return _mm512_castps_si512(x.v); }
+  static F from_bits(I x) { return _mm512_castsi512_ps(x.v); }
+  static F to_float(I x) { return _mm512_cvtepi32_ps(x.v); }  // exact for values < 2^24
+  static M lt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ); }
+  static M le(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
+  static M gt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+  static M isnan(F a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
+  static M eq_i(I a, I b) { return _mm512_cmpeq_epi32_mask(a.v, b.v); }
+  static M mnot(M a) { return static_cast<M>(~a); }
+  static F select(M m, F a, F b) { return _mm512_mask_mov_ps(b.v, m, a.v); }
+  static I select_i(M m, I a, I b) { return _mm512_mask_mov_epi32(b.v, m, a.v); }
+  static I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a.v, m, a.v, b.v); }
+  static I max_u(I a, I b) { return _mm512_max_epu32(a.v, b.v); }
+  static I min_i(I a, I b) { return _mm512_min_epi32(a.v, b.v); }
+  static I max_i(I a, I b) { return _mm512_max_epi32(a.v, b.v); }
+  static uint32_t hmax_u(I a) { return _mm512_reduce_max_epu32(a.v); }
+  static F fmin_nan(F a, F b) {  // NaN-ignoring minimum: _mm512_min_ps returns b when a is NaN
+    return select(isnan(b), a, _mm512_min_ps(a.v, b.v));
+  }
+  static F fmax_nan(F a, F b) { return select(isnan(b), a, _mm512_max_ps(a.v, b.v)); }
+  // 16-entry table held in a register, and gathers for larger tables
+  using T16 = __m512;
+  static T16 table16(const float* t) { return _mm512_loadu_ps(t); }
+  static F lookup16(T16 t, I idx) { return _mm512_permutexvar_ps(idx.v, t); }
+  static F gather(const float* base, I idx) { return _mm512_i32gather_ps(idx.v, base, 4); }
+  // dtype conversions
+  static F load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  static void store_bf16(uint16_t* p, F x) {
+    const __m512i u = _mm512_castps_si512(x.v);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __m512i r = _mm512_mask_mov_epi32(rounded, isnan(x), nan);
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+  }
+  static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static void store_f16(uint16_t* p, F x) {
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // codes: 16 codes <-> packed bytes at 4 and 8 bits (element 2k in the low nibble of byte k)
+  static constexpr bool kFastPack = true;
+  static I unpack4(const uint8_t* p) {  // 8 bytes -> 16 codes
+    const __m512i b = _mm512_cvtepu8_epi64(_mm_loadl_epi64((const __m128i*)p));
+    const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi64(0xF));
+    const __m512i hi = _mm512_slli_epi64(_mm512_srli_epi64(b, 4), 32);
+    return _mm512_or_si512(lo, hi);
+  }
+  static void pack4(uint8_t* p, I c) {  // 16 codes -> 8 bytes
+    const __m512i w = _mm512_or_si512(c.v, _mm512_srli_epi64(c.v, 28));
+    _mm_storel_epi64((__m128i*)p, _mm512_cvtepi64_epi8(w));
+  }
+  static I unpack8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+  static void pack8(uint8_t* p, I c) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c.v)); }
+};
+
+#elif defined(QCONF_ISA_AVX2)
+
+struct VF {
+  __m256 v;
+  VF() = default;
+  VF(__m256 x) : v(x) {}
+  VF(float x) : v(_mm256_set1_ps(x)) {}
+};
+struct VI {
+  __m256i v;
+  VI() = default;
+  VI(__m256i x) : v(x) {}
+  VI(uint32_t x) : v(_mm256_set1_epi32(static_cast<int>(x))) {}
+};
+inline VF operator+(VF a, VF b) { return _mm256_add_ps(a.v, b.v); }
+inline VF operator-(VF a, VF b) { return _mm256_sub_ps(a.v, b.v); }
+inline VF operator*(VF a, VF b) { return _mm256_mul_ps(a.v, b.v); }
+inline VF operator-(VF a) { return _mm256_xor_ps(a.v, _mm256_set1_ps(-0.0f)); }
+inline VF qdiv(VF a, VF b) { return _mm256_div_ps(a.v, b.v); }
+inline VF qsqrt(VF a) { return _mm256_sqrt_ps(a.v); }
+inline VF qsign(VF a) {
+  const __m256 pos = _mm256_and_ps(_mm256_cmp_ps(a.v, _mm256_setzero_ps(), _CMP_GT_OQ), _mm256_set1_ps(1.0f));
+  const __m256 neg = _mm256_and_ps(_mm256_cmp_ps(a.v, _mm256_setzero_ps(), _CMP_LT_OQ), _mm256_set1_ps(1.0f));
+  return _mm256_sub_ps(pos, neg);
+}
+inline VI operator^(VI a, VI b) { return _mm256_xor_si256(a.v, b.v); }
+inline VI operator&(VI a, VI b) { return _mm256_and_si256(a.v, b.v); }
+inline VI operator|(VI a, VI b) { return _mm256_or_si256(a.v, b.v); }
+inline VI operator+(VI a, VI b) { return _mm256_add_epi32(a.v, b.v); }
+inline VI operator-(VI a, VI b) { return _mm256_sub_epi32(a.v, b.v); }
+inline VI operator*(VI a, VI b) { return _mm256_mullo_epi32(a.v, b.v); }
+inline VI operator>>(VI a, int s) { return _mm256_srli_epi32(a.v, s); }
+inline VI operator<<(VI a, int s) { return _mm256_slli_epi32(a.v, s); }
+
+struct Isa {
+  using F = VF;
+  using I = VI;
+  using M = __m256i;  // all-ones lanes
+  static constexpr int W = 8;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x.v); }
+  static I load_i(const uint32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+  static void store_i(uint32_t* p, I x) { _mm256_storeu_si256((__m256i*)p, x.v); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static I bits(F x) { return _mm256_castps_si256(x.v); }
+  static F from_bits(I x) { return _mm256_castsi256_ps(x.v); }
+  static F to_float(I x) { return _mm256_cvtepi32_ps(x.v); }
+  static M lt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)); }
+  static M le(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)); }
+  static M gt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
+  static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)); }
+  static M eq_i(I a, I b) { return _mm256_cmpeq_epi32(a.v, b.v); }
+  static M mnot(M a) { return _mm256_xor_si256(a, _mm256_set1_epi32(-1)); }
+  static F select(M m, F a, F b) { return _mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(m)); }
+  static I select_i(M m, I a, I b) { return _mm256_blendv_epi8(b.v, a.v, m); }
+  static I add_if(M m, I a, I b) { return _mm256_add_epi32(a.v, _mm256_and_si256(m, b.v)); }
+  static I max_u(I a, I b) { return _mm256_max_epu32(a.v, b.v); }
+  static I min_i(I a, I b) { return _mm256_min_epi32(a.v, b.v); }
+  static I max_i(I a, I b) { return _mm256_max_epi32(a.v, b.v); }
+  static uint32_t hmax_u(I a) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a.v), _mm256_extracti128_si256(a.v, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+  }
+  static F fmin_nan(F a, F b) { return select(isnan(b), a, _mm256_min_ps(a.v, b.v)); }
+  static F fmax_nan(F a, F b) { return select(isnan(b), a, _mm256_max_ps(a.v, b.v)); }
+  struct T16 {
+    __m256 lo, hi;
+  };
+  static T16 table16(const float* t) { return T16{_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; }
+  static F lookup16(T16 t, I idx) {  // bit 3 of the index picks the half
+    const __m256 lo = _mm256_permutevar8x32_ps(t.lo, idx.v);
+    const __m256 hi = _mm256_permutevar8x32_ps(t.hi, idx.v);
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx.v, 28)));
+  }
+  static F gather(const float* base, I idx) { return _mm256_i32gather_ps(base, idx.v, 4); }
+  static F load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  }
+  static void store_bf16(uint16_t* p, F x) {
+    const __m256i u = _mm256_castps_si256(x.v);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, nan, isnan(x));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
+  static F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static void store_f16(uint16_t* p, F x) {
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static constexpr bool kFastPack = false;
+  static I unpack4(const uint8_t*) { return I(0u); }
+  static void pack4(uint8_t*, I) {}
+  static I unpack8(const uint8_t*) { return I(0u); }
+  static void pack8(uint8_t*, I) {}
+};
+
+#else  // portable scalar
+
+struct Isa {
+  using F = float;
+  using I = uint32_t;
+  using M = bool;
+  static constexpr int W = 1;
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  static I load_i(const uint32_t* p) { return *p; }
+  static void store_i(uint32_t* p, I x) { *p = x; }
+  static I iota() { return 0u; }
+  static I bits(F x) { return f32_bits(x); }
+  static F from_bits(I x) { return bits_f32(x); }
+  static F to_float(I x) { return static_cast<float>(static_cast<int32_t>(x)); }
+  static M lt(F a, F b) { return a < b; }
+  static M le(F a, F b) { return a <= b; }
+  static M gt(F a, F b) { return a > b; }
+  static M isnan(F a) { return a != a; }
+  static M eq_i(I a, I b) { return a == b; }
+  static M mnot(M a) { return !a; }
+  static F select(M m, F a, F b) { return m ? a : b; }
+  static I select_i(M m, I a, I b) { return m ? a : b; }
+  static I add_if(M m, I a, I b) { return m ? a + b : a; }
+  static I max_u(I a, I b) { return a > b ? a : b; }
+  static I min_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
+  static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
+  static uint32_t hmax_u(I a) { return a; }
+  static F fmin_nan(F a, F b) { return qconf::fmin_nan(a, b); }
+  static F fmax_nan(F a, F b) { return qconf::fmax_nan(a, b); }
+  using T16 = const float*;
+  static T16 table16(const float* t) { return t; }
+  static F lookup16(T16 t, I idx) { return t[idx]; }
+  static F gather(const float* base, I idx) { return base[idx]; }
+  static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16_rne(x); }
+  static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static void store_f16(uint16_t* p, F x) { *p = f32_to_f16_rne(x); }
+  static constexpr bool kFastPack = false;
+  static I unpack4(const uint8_t*) { return 0u; }
+  static void pack4(uint8_t*, I) {}
+  static I unpack8(const uint8_t*) { return 0u; }
+  static void pack8(uint8_t*, I) {}
+};
+
+#endif

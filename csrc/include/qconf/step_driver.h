@@ -1,0 +1,30 @@
+// Entry points of the fused optimizer step (CPU driver in csrc/cpu/step.cpp, CUDA in
+// csrc/cuda/step.cu) and the layout of their `meta` / `tables` / `hyper` arguments, which
+// qconf/ops/__init__.py builds.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace qconf {
+
+// meta: int64 [T, kMetaCols], one row per parameter
+constexpr int kColIndex = 0;     // parameter index in the optimizer (RNG stream)
+constexpr int kColFirst = 1;     // 1 on the first step of a lazily created state (SGD buffer = grad)
+constexpr int kColFactored = 2;  // 1: factored second moment (row/col statistics in state slots 4, 5)
+constexpr int kColNdim = 3;
+constexpr int kColShape = 4;     // 8 dims
+constexpr int kColState = 12;    // per state k: kColState + k * kStateCols + ...
+constexpr int kStateCols = 9;    // kind, table, bits, levels, scale_kind, block, d1, inner, stochastic
+constexpr int kMetaCols = kColState + 2 * kStateCols;
+// states: kStateSlots tensors per parameter: s0 (values|codes), s0 scales, s1, s1 scales, row, col
+constexpr int kStateSlots = 6;
+// tables: float32 [N, kTableRows, 256]: qmap, midpoints(+inf), qmap(+inf), coarse (16 mids, 16 qmap)
+constexpr int kTableRows = 4;
+// hyper: lr, beta1, beta2, eps, weight_decay, momentum, dampening, maximize, nesterov, decoupled
+constexpr size_t kHyperLen = 10;
+
+void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
+                    at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
+                    c10::ArrayRef<double> hyper, int64_t seed);
+
+}  // namespace qconf

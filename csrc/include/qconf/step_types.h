@@ -1,0 +1,103 @@
+// Plain descriptors of one fused optimizer step, filled by the driver (csrc/cpu/step.cpp) and read
+// by the per-ISA tile kernels (csrc/include/qconf/step_cpu.h) and the CUDA kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "qconf/element.h"
+
+namespace qconf {
+
+enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum StateKind : int32_t { kNone = 0, kFp32 = 1, kQuant = 2 };
+// How a quantized state's elements map to stored scales (after the rank fallbacks):
+//   kBlock: contiguous blocks of `block` elements (group, dim0 = rows, tensor = one block)
+//   kDim1:  element i uses scale ((i / inner) % d1)
+//   kRank1: element uses min over dims of that dim's vector (concatenated, sum(shape) values)
+enum ScaleKind : int32_t { kBlock = 0, kDim1 = 1, kRank1 = 2 };
+
+constexpr int kMaxDims = 8;
+constexpr int kTableSize = 256;
+
+struct CodecDesc {
+  int32_t bits = 0;
+  int32_t levels = 0;
+  int32_t scale_kind = kBlock;
+  int32_t stochastic = 0;
+  int64_t block = 0;           // kBlock
+  int64_t d1 = 0, inner = 0;   // kDim1
+  const float* qmap = nullptr;     // kTableSize entries: the map (codes < levels)
+  const float* mids = nullptr;     // kTableSize entries: levels-1 midpoints, then +inf
+  const float* qsearch = nullptr;  // kTableSize entries: the map, then +inf
+  const float* coarse_mids = nullptr;     // 16 entries: mids[16k + 15] (first 4 search levels)
+  const float* coarse_qsearch = nullptr;  // 16 entries: qsearch[16k + 15]
+};
+
+struct StateDesc {
+  int32_t kind = kNone;
+  int32_t two_pass = 0;  // the new scales need the whole tensor first (two passes)
+  float* values = nullptr;  // kFp32: numel floats
+  uint8_t* codes = nullptr; // kQuant: packed codes
+  float* scales = nullptr;  // kQuant: stored scales (old during the step)
+  int64_t num_scales = 0;
+  CodecDesc codec;
+  StreamKey key{0, 0};      // stochastic rounding stream of this state at this step
+  // two-pass scratch (driver-owned)
+  uint32_t* partial = nullptr;  // per-thread absmax bits, `num_scales` per thread
+  float* new_recip = nullptr;   // 1 / new scale, `num_scales`
+};
+
+struct TensorDesc {
+  int64_t numel = 0;
+  int32_t ndim = 0;
+  int64_t shape[kMaxDims] = {0};
+  void* param = nullptr;
+  int32_t pdtype = kF32;
+  const void* grad = nullptr;
+  int32_t gdtype = kF32;
+  StateDesc st[2];
+  Scalars h{};
+  int64_t tile = 0;      // elements per work item (a multiple of 64, or whole rows when factored)
+  int32_t two_pass = 0;  // some state needs pass 1
+  // factored second moment (AdamRule only): fp32 statistics, updated between the passes
+  int32_t factored = 0;
+  float* row = nullptr;          // shape[:-1]
+  float* col = nullptr;          // shape[:-2] + shape[-1:]
+  float* row_factor = nullptr;   // scratch: row / mean(row), shape[:-1]
+  float* col_partial = nullptr;  // scratch: per row-chunk column sums of g^2
+  float* row_sum = nullptr;      // scratch: sum of g^2 per row
+  int64_t rows = 0, cols = 0;    // factored view: rows = prod(shape[:-1]), cols = shape[-1]
+  int64_t rows_per_chunk = 0;    // fixed row chunking of pass 1 (independent of thread count)
+};
+
+// A unit of parallel work: elements [start, start + len) of one tensor, or (pass 1 of a factored
+// tensor) rows chunk `start`.
+struct WorkItem {
+  int32_t tensor;
+  int64_t start;
+  int64_t len;
+};
+
+// What a tile kernel call does.
+enum Phase : int32_t {
+  kPassReduce = 0,  // pass 1: compute the new states, reduce the absmax of two-pass states; no stores
+  kPassFactor = 1,  // pass 1 of factored tensors: row/column sums of g^2 per row chunk
+  kPassApply = 2,   // the (final) pass: compute, quantize, store
+};
+
+struct StepContext {
+  int32_t rule = kRuleAdam;
+  TensorDesc* tensors = nullptr;
+  int32_t num_tensors = 0;
+  int32_t max_tile = 0;
+};
+
+// Per-ISA entry point: run items [begin, end) of `items` in `phase` on thread `tid`.
+using RunItemsFn = void (*)(const StepContext& ctx, const WorkItem* items, int64_t begin, int64_t end,
+                            int32_t phase, int32_t tid);
+
+namespace isa_scalar { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+namespace isa_avx2 { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+namespace isa_avx512 { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+
+}  // namespace qconf

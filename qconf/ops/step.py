@@ -1,0 +1,200 @@
+"""The fused optimizer step: builds the kernel's arguments from a param group and calls it.
+
+Per param group the per-parameter tensors (params, step counters, state codes/scales/values,
+codec tables and a metadata table) are collected once into a C++ ``StepPlan``; an eager step then
+passes only the gradients and the hyperparameters, so the cost per parameter stays small even with
+thousands of small tensors. Under ``torch.compile`` the functional op ``qconf::fused_step`` (with a
+fake implementation) is called instead, with every tensor as an argument.
+
+The plan is rebuilt when the optimizer's layout changes (states created or converted,
+``load_state_dict``, ``override_quantize_enable``, ``add_param_group``) or when the set of
+parameters that have gradients changes.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..codec import Codec, QTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..optim.base import QOptimizer
+
+# layout constants shared with csrc/include/qconf/step_driver.h
+COL_INDEX, COL_FIRST, COL_FACTORED, COL_NDIM, COL_SHAPE, COL_STATE = 0, 1, 2, 3, 4, 12
+STATE_COLS = 9
+META_COLS = COL_STATE + 2 * STATE_COLS
+STATE_SLOTS = 6
+TABLE_ROWS, TABLE_SIZE = 4, 256
+KIND_NONE, KIND_FP32, KIND_QUANT = 0, 1, 2
+SCALE_BLOCK, SCALE_DIM1, SCALE_RANK1 = 0, 1, 2
+RULES = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2}
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EMPTY = torch.empty(0)
+
+
+def codec_table(codec: Codec) -> torch.Tensor:
+    """The kernel's lookup tables of a codec: float32 [4, 256] = qmap, midpoints (+inf padded),
+    qmap (+inf padded), and the coarse entries [16k + 15] of the last two (first 16 / next 16)."""
+    qmap = codec.qmap
+    levels = qmap.numel()
+    inf = torch.full((TABLE_SIZE,), math.inf)
+    t = torch.zeros(TABLE_ROWS, TABLE_SIZE)
+    t[0, :levels] = qmap
+    t[0, levels:] = qmap[-1]
+    mids = inf.clone()
+    mids[: levels - 1] = codec.midpoints
+    qsearch = inf.clone()
+    qsearch[:levels] = qmap
+    t[1], t[2] = mids, qsearch
+    coarse = torch.arange(15, TABLE_SIZE, 16)
+    t[3, :16] = mids[coarse]
+    t[3, 16:32] = qsearch[coarse]
+    return t
+
+
+def scale_layout(codec: Codec, shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(scale kind, block, d1, inner) of ``codec`` on ``shape`` after the rank fallbacks."""
+    numel = math.prod(shape)
+    eff = codec.effective_scale(shape)
+    if eff == "tensor":
+        return SCALE_BLOCK, max(numel, 1), 0, 0
+    if eff == "dim0":
+        return SCALE_BLOCK, max(numel // shape[0], 1), 0, 0
+    if eff == "group":
+        return SCALE_BLOCK, codec.group_size, 0, 0
+    if eff == "dim1":
+        return SCALE_DIM1, 0, shape[1], max(math.prod(shape[2:]), 1)
+    return SCALE_RANK1, 0, 0, 0
+
+
+def unfusable_reason(p: torch.Tensor) -> str | None:
+    """Why parameter ``p`` cannot take the fused step (None if it can)."""
+    if p.dtype not in FUSED_DTYPES:
+        return f"dtype {p.dtype} (fused kernels take float32, bfloat16, float16)"
+    if p.device.type != "cpu":
+        return f"device {p.device} (this build has CPU kernels only)"
+    if p.dim() > 8:
+        return f"{p.dim()} dimensions (at most 8)"
+    if not p.is_contiguous():
+        return "a non-contiguous parameter"
+    return None
+
+
+class _GroupPlan:
+    """Arguments of the kernel for one param group, and the C++ StepPlan holding them."""
+
+    def __init__(self, opt: "QOptimizer", group: dict[str, Any], params: list[torch.Tensor],
+                 new: dict[int, frozenset[str]]):
+        index = opt._param_index()
+        meta = torch.zeros(len(params), META_COLS, dtype=torch.int64)
+        tables: dict[Codec, int] = {}
+        states: list[torch.Tensor] = []
+        steps = []
+        self.one_shot = False
+        for row, p in enumerate(params):
+            i = index[id(p)]
+            st = opt.state[p]
+            steps.append(st["step"])
+            specs = opt._state_specs(group, p)
+            m = meta[row]
+            m[COL_INDEX] = i
+            m[COL_NDIM] = p.dim()
+            m[COL_SHAPE:COL_SHAPE + p.dim()] = torch.tensor(p.shape, dtype=torch.int64)
+            slots: list[torch.Tensor] = [_EMPTY] * STATE_SLOTS
+            for spec in specs:
+                if spec.key in ("exp_avg_sq_row", "exp_avg_sq_col"):
+                    m[COL_FACTORED] = 1
+                    slots[4 if spec.key.endswith("row") else 5] = st[spec.key]
+                    continue
+                k = 0 if spec is specs[0] else 1
+                value = st[spec.key]
+                base = COL_STATE + k * STATE_COLS
+                if isinstance(value, QTensor):
+                    c = value.codec
+                    table = tables.setdefault(c, len(tables))
+                    kind, block, d1, inner = scale_layout(c, tuple(p.shape))
+                    m[base:base + STATE_COLS] = torch.tensor(
+                        [KIND_QUANT, table, c.bits, c.qmap.numel(), kind, block, d1, inner,
+                         int(c.rounding == "stochastic")], dtype=torch.int64)
+                    slots[2 * k], slots[2 * k + 1] = value.codes, value.scales
+                else:
+                    m[base] = KIND_FP32
+                    slots[2 * k] = value
+            if spec_first(opt, new.get(i, frozenset())):
+                m[COL_FIRST] = 1
+                self.one_shot = True  # the first-step flag holds for this step only
+            states.extend(slots)
+        table_list = sorted(tables, key=tables.get)
+        self.tables = (torch.stack([codec_table(c) for c in table_list]) if table_list
+                       else torch.zeros(1, TABLE_ROWS, TABLE_SIZE))
+        self.params, self.steps, self.states, self.meta = params, steps, states, meta
+        self.rule = RULES[opt.rule_name]
+        self.cpp = torch.classes.qconf.StepPlan(self.rule, params, steps, states, meta, self.tables)
+
+    def run(self, grads: list[torch.Tensor], hyper: list[float], seed: int) -> None:
+        if torch.compiler.is_compiling():
+            torch.ops.qconf.fused_step(self.rule, self.params, grads, self.steps, self.states, self.meta,
+                                       self.tables, hyper, seed)
+        else:
+            self.cpp.run(grads, hyper, seed)
+
+
+def spec_first(opt: "QOptimizer", new: frozenset[str]) -> bool:
+    """True when a lazily created state (SGD's momentum buffer) starts in this step."""
+    return any(k in new for k in opt.lazy_states)
+
+
+def _signed64(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+class FusedStepper:
+    """Runs an optimizer's steps on the native kernel, one call per param group."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[Any, _GroupPlan]] = {}
+
+    def invalidate(self) -> None:
+        """Drop every cached plan (the optimizer's states or layout changed)."""
+        self._plans.clear()
+
+    def step_group(self, opt: "QOptimizer", group: dict[str, Any]) -> None:
+        params = group["params"]
+        grads = [p.grad for p in params]
+        if any(g is None for g in grads):
+            have = tuple(g is not None for g in grads)
+            params = [p for p, h in zip(params, have) if h]
+            grads = [g for g in grads if g is not None]
+            if not params:
+                return
+        else:
+            have = None
+        key = (opt._layout_version, have)
+        cached = self._plans.get(id(group))
+        if cached is None or cached[0] != key:
+            new = {}
+            index = opt._param_index()
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(opt).__name__} does not support sparse gradients")
+                reason = unfusable_reason(p)
+                if reason is not None:
+                    raise RuntimeError(f"{type(opt).__name__}(fused=True): {opt._describe(index[id(p)])} has {reason}")
+                new[index[id(p)]] = opt._ensure_state(p, index[id(p)], group)
+            plan = _GroupPlan(opt, group, params, new)
+            key = (opt._layout_version, have)
+            if not plan.one_shot:
+                self._plans[id(group)] = (key, plan)
+            else:
+                self._plans.pop(id(group), None)
+        else:
+            plan = cached[1]
+        plan.run(grads, opt._hyper(group), _signed64(opt._seed))
+
+
+@torch.library.register_fake("qconf::fused_step")
+def _fused_step_fake(rule, params, grads, steps, states, meta, tables, hyper, seed):  # noqa: ANN001
+    return None
