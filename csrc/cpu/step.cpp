@@ -23,7 +23,7 @@
 namespace qconf {
 namespace {
 
-constexpr int64_t kTileTarget = 2048;   // elements per work item (fits L1/L2 with 6 buffers)
+constexpr int64_t kTileTarget = 1024;   // elements per work item (8 tile buffers stay in L1/L2)
 constexpr int64_t kMaxUnit = 16384;     // largest block kept single-pass
 constexpr int64_t kFactorChunks = 16;   // fixed row chunking of the factor pass (thread-count independent)
 
@@ -67,9 +67,9 @@ Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step, bool f
   h.has_momentum = mom != 0.0;
   h.first = first;
   if (rule == kRuleAdam) {
-    // the reference computes these in Python doubles: lr / (1 - b1**t), (1 - b2**t) ** 0.5
+    // the reference computes these in Python doubles: lr / (1 - b1**t), 1 / (1 - b2**t) ** 0.5
     h.step_size = static_cast<float>(lr / (1.0 - std::pow(b1, step)));
-    h.bc2_sqrt = static_cast<float>(std::pow(1.0 - std::pow(b2, step), 0.5));
+    h.inv_bc2_sqrt = static_cast<float>(1.0 / std::pow(1.0 - std::pow(b2, step), 0.5));
   }
   return h;
 }
@@ -153,7 +153,7 @@ void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, a
     t.h = make_scalars(rule, hyper, step_value, m[kColFirst] != 0);
     t.factored = static_cast<int32_t>(m[kColFactored]);
 
-    int64_t unit = 8;  // tile granularity: whole bytes of packed codes, whole single-pass blocks
+    int64_t unit = 64;  // tile granularity: whole vectors and bytes of codes, whole single-pass blocks
     for (int k = 0; k < 2; ++k) {
       const int64_t* sm = m + kColState + k * kStateCols;
       StateDesc& st = t.st[k];
@@ -187,6 +187,10 @@ void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, a
         c.qsearch = base + 2 * kTableSize;
         c.coarse_mids = base + 3 * kTableSize;
         c.coarse_qsearch = base + 3 * kTableSize + 16;
+        c.coarse32_mids = base + 4 * kTableSize;
+        c.coarse32_qsearch = base + 4 * kTableSize + 32;
+        c.cols_mids = base + 5 * kTableSize;
+        c.cols_qsearch = base + 6 * kTableSize;
         st.num_scales = num_scales_of(c, t);
         const int64_t nbytes = (t.numel * c.bits + 7) / 8;
         TORCH_CHECK(a.scalar_type() == at::kByte && a.numel() == nbytes && a.is_contiguous(),
@@ -207,7 +211,7 @@ void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, a
     // keep single-pass blocks within one tile; if their common multiple is too large, the larger
     // block goes through the two-pass path instead
     if (unit > kMaxUnit && t.numel > kMaxUnit) {
-      unit = 8;
+      unit = 64;
       StateDesc* big = t.st[0].kind == kQuant && !t.st[0].two_pass ? &t.st[0] : nullptr;
       StateDesc* other = t.st[1].kind == kQuant && !t.st[1].two_pass ? &t.st[1] : nullptr;
       if (big && other && other->codec.block > big->codec.block) std::swap(big, other);
@@ -215,7 +219,7 @@ void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, a
       if (other) unit = lcm64(unit, other->codec.block);
       if (unit > kMaxUnit && other) {
         other->two_pass = 1;
-        unit = 8;
+        unit = 64;
       }
     }
     if (t.numel <= kMaxUnit) {

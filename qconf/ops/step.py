@@ -27,7 +27,7 @@ COL_INDEX, COL_FIRST, COL_FACTORED, COL_NDIM, COL_SHAPE, COL_STATE = 0, 1, 2, 3,
 STATE_COLS = 9
 META_COLS = COL_STATE + 2 * STATE_COLS
 STATE_SLOTS = 6
-TABLE_ROWS, TABLE_SIZE = 4, 256
+TABLE_ROWS, TABLE_SIZE = 7, 256
 KIND_NONE, KIND_FP32, KIND_QUANT = 0, 1, 2
 SCALE_BLOCK, SCALE_DIM1, SCALE_RANK1 = 0, 1, 2
 RULES = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2}
@@ -36,8 +36,14 @@ _EMPTY = torch.empty(0)
 
 
 def codec_table(codec: Codec) -> torch.Tensor:
-    """The kernel's lookup tables of a codec: float32 [4, 256] = qmap, midpoints (+inf padded),
-    qmap (+inf padded), and the coarse entries [16k + 15] of the last two (first 16 / next 16)."""
+    """The kernel's lookup tables of a codec, float32 [7, 256]:
+
+    0. qmap (padded with its last value); 1. midpoints then +inf; 2. qmap then +inf;
+    3. coarse16: midpoints[16k+15] (16), qmap+inf[16k+15] (16)   -- first 4 search levels
+    4. coarse32: midpoints[8k+7] (32), qmap+inf[8k+7] (32)        -- 8-bit permute search
+    5. columns of the midpoints: [j*32 + k] = midpoints[8k+j], j < 7
+    6. columns of qmap+inf:      [j*32 + k] = qsearch[8k+j], j < 7
+    """
     qmap = codec.qmap
     levels = qmap.numel()
     inf = torch.full((TABLE_SIZE,), math.inf)
@@ -52,6 +58,13 @@ def codec_table(codec: Codec) -> torch.Tensor:
     coarse = torch.arange(15, TABLE_SIZE, 16)
     t[3, :16] = mids[coarse]
     t[3, 16:32] = qsearch[coarse]
+    coarse32 = torch.arange(7, TABLE_SIZE, 8)
+    t[4, :32] = mids[coarse32]
+    t[4, 32:64] = qsearch[coarse32]
+    cols = torch.arange(32) * 8
+    for j in range(7):
+        t[5, j * 32:(j + 1) * 32] = mids[cols + j]
+        t[6, j * 32:(j + 1) * 32] = qsearch[cols + j]
     return t
 
 

@@ -10,7 +10,7 @@ kernels perform exactly the same sequence, so fused and reference results agree 
     g = g + p * wd                          Adam (coupled L2 decay)
     m = m * b1 + g * (1 - b1)
     v = v * b2 + (g * g) * (1 - b2)         (factored: see below)
-    d = sqrt(v) / sqrt(1 - b2**t) + eps
+    d = sqrt(v) * (1 / sqrt(1 - b2**t)) + eps
     p = p - (m / d) * (lr / (1 - b1**t))
 
 With quantization off this is torch.optim.Adam/AdamW's update up to rounding (torch uses lerp and
@@ -97,9 +97,9 @@ class _AdamBase(QOptimizer):
             col.mul_(beta2).add_(g2.mean(dim=-2) * (1 - beta2))
             exp_avg_sq = self._factored_dense(row, col)
         t = float(step)
-        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        inv_bias_correction2_sqrt = 1 / (1 - beta2**t) ** 0.5  # a multiply, not a divide, per element
         step_size = lr / (1 - beta1**t)
-        denom = ieee_sqrt(exp_avg_sq).div_(bias_correction2_sqrt).add_(group["eps"])
+        denom = ieee_sqrt(exp_avg_sq).mul_(inv_bias_correction2_sqrt).add_(group["eps"])
         p.sub_(exp_avg.div(denom).mul_(step_size))
 
 

@@ -182,7 +182,7 @@ QCONF_HD float fmax_nan(float a, float b) { return a != a ? b : (b != b ? a : (b
 // T is float (scalar CPU path, CUDA) or a SIMD vector.
 
 struct Scalars {
-  float lr, b1, omb1, b2, omb2, eps, wd, decay, step_size, bc2_sqrt, momentum, omdamp;
+  float lr, b1, omb1, b2, omb2, eps, wd, decay, step_size, inv_bc2_sqrt, momentum, omdamp;
   int32_t maximize, has_wd, decoupled, nesterov, has_momentum, first;
 };
 
@@ -206,6 +206,9 @@ QCONF_HD float qdiv(float a, float b) {
 QCONF_HD float qsign(float x) { return static_cast<float>((x > 0.0f) - (x < 0.0f)); }
 
 // Adam / AdamW. With a factored second moment `v` is the reconstructed value and is not stored.
+// Each rule: kStates states; apply() updates p and the states in place. A state's new value
+// depends only on the gradient, the parameter and that state (the two-pass reduction relies on
+// it: it recomputes one state without the others).
 struct AdamRule {
   static constexpr int kStates = 2;
   template <class T>
@@ -217,9 +220,11 @@ struct AdamRule {
     }
     m = m * T(h.b1) + g * T(h.omb1);
     if (update_v) v = v * T(h.b2) + (g * g) * T(h.omb2);
-    const T d = qdiv(qsqrt(v), T(h.bc2_sqrt)) + T(h.eps);
+    const T d = qsqrt(v) * T(h.inv_bc2_sqrt) + T(h.eps);
     p = p - qdiv(m, d) * T(h.step_size);
   }
+  // Whether the states' new values read the parameter (coupled L2 decay adds p * wd to g).
+  QCONF_HD static bool states_read_param(const Scalars& h) { return h.has_wd && !h.decoupled; }
   // The gradient the second moment sees (for the factored statistics).
   template <class T>
   QCONF_HD static T effective_grad(T p, T g, const Scalars& h) {
@@ -232,6 +237,7 @@ struct AdamRule {
 // SGD with momentum / dampening / Nesterov; state 0 is the momentum buffer.
 struct SgdRule {
   static constexpr int kStates = 1;
+  QCONF_HD static bool states_read_param(const Scalars& h) { return h.has_wd; }
   template <class T>
   QCONF_HD static void apply(T& p, T g, T& b, T& /*unused*/, const Scalars& h, bool = true) {
     if (h.maximize) g = -g;
@@ -249,6 +255,7 @@ struct SgdRule {
 // Lion; state 0 is the momentum.
 struct LionRule {
   static constexpr int kStates = 1;
+  QCONF_HD static bool states_read_param(const Scalars&) { return false; }
   template <class T>
   QCONF_HD static void apply(T& p, T g, T& m, T& /*unused*/, const Scalars& h, bool = true) {
     if (h.maximize) g = -g;

@@ -22,19 +22,22 @@ constexpr int W = Isa::W;
 struct Buffers {
   float* g;
   float* p;
-  float* s[2];
+  float* s[2];   // new state values
+  float* sc[2];  // per-element scales / reciprocals
   float* vhat;
   uint32_t* codes;
   float* storage;
   explicit Buffers(int64_t tile) {
     const int64_t n = tile + 64;
-    storage = new float[6 * n];
+    storage = new float[8 * n];
     g = storage;
     p = storage + n;
     s[0] = storage + 2 * n;
     s[1] = storage + 3 * n;
-    vhat = storage + 4 * n;
-    codes = reinterpret_cast<uint32_t*>(storage + 5 * n);
+    sc[0] = storage + 4 * n;
+    sc[1] = storage + 5 * n;
+    vhat = storage + 6 * n;
+    codes = reinterpret_cast<uint32_t*>(storage + 7 * n);
   }
   ~Buffers() { delete[] storage; }
   Buffers(const Buffers&) = delete;
@@ -139,10 +142,11 @@ template <class Fn>
 inline void for_each_scale_run(const CodecDesc& c, const TensorDesc& t, const float* vals, bool use_min,
                                int64_t start, int64_t n, Fn&& fn) {
   const int64_t end = start + n;
+  // one division per tile; runs then advance incrementally
   if (c.scale_kind == kBlock) {
     const int64_t B = c.block;
-    for (int64_t i = start; i < end;) {
-      const int64_t blk = i / B;
+    int64_t blk = start / B;
+    for (int64_t i = start; i < end; ++blk) {
       const int64_t e = (blk + 1) * B < end ? (blk + 1) * B : end;
       fn(i - start, e - i, vals[blk], static_cast<const float*>(nullptr), false);
       i = e;
@@ -150,17 +154,17 @@ inline void for_each_scale_run(const CodecDesc& c, const TensorDesc& t, const fl
   } else if (c.scale_kind == kDim1) {
     const int64_t d1 = c.d1, inner = c.inner;
     if (inner == 1) {
-      for (int64_t i = start; i < end;) {
-        const int64_t c0 = i % d1;
+      int64_t c0 = start % d1;
+      for (int64_t i = start; i < end; c0 = 0) {
         const int64_t e = i + (d1 - c0) < end ? i + (d1 - c0) : end;
         fn(i - start, e - i, 0.0f, vals + c0, false);
         i = e;
       }
     } else {
-      for (int64_t i = start; i < end;) {
-        const int64_t run = i / inner;
+      int64_t run = start / inner, j = run % d1;
+      for (int64_t i = start; i < end; ++run, j = j + 1 == d1 ? 0 : j + 1) {
         const int64_t e = (run + 1) * inner < end ? (run + 1) * inner : end;
-        fn(i - start, e - i, vals[run % d1], static_cast<const float*>(nullptr), false);
+        fn(i - start, e - i, vals[j], static_cast<const float*>(nullptr), false);
         i = e;
       }
     }
@@ -421,28 +425,6 @@ inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t star
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// the update rule over a tile
-template <class Rule>
-inline void apply_rule(float* p, const float* g, float* s0, float* s1, int64_t n, const Scalars& h, bool update_v) {
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    F P = Isa::load(p + i), A = Isa::load(s0 + i);
-    F B = Rule::kStates == 2 ? Isa::load(s1 + i) : F(0.0f);
-    Rule::apply(P, Isa::load(g + i), A, B, h, update_v);
-    Isa::store(p + i, P);
-    Isa::store(s0 + i, A);
-    if (Rule::kStates == 2 && update_v) Isa::store(s1 + i, B);
-  }
-  for (; i < n; ++i) {
-    float P = p[i], A = s0[i], B = Rule::kStates == 2 ? s1[i] : 0.0f;
-    Rule::apply(P, g[i], A, B, h, update_v);
-    p[i] = P;
-    s0[i] = A;
-    if (Rule::kStates == 2 && update_v) s1[i] = B;
-  }
-}
-
 // factored second moment: vhat[i] = row_factor[r] * col[batch, c] for the tile
 inline void fill_vhat(const TensorDesc& t, int64_t start, int64_t n, float* vhat) {
   const int64_t C = t.cols, R = t.shape[t.ndim - 2];
@@ -489,6 +471,296 @@ inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
   }
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Tile pipeline. Each stage is a tight loop specialized at compile time; per-element scales are
+// written to a buffer first, so the main loop never branches on layouts:
+//   1. gradient / parameter as fp32 (pointers into fp32 tensors, converted copies otherwise)
+//   2. per quantized state: per-element old scales (for 4/8-bit codes), or a full generic dequant
+//   3. main loop, specialized on the two state formats: dequantize 4/8-bit codes in registers,
+//      apply the rule, write new values (fp32 states in place on the final pass)
+//   4. pass 1: fold absmax into the thread's partials and stop; final pass: per block new scale
+//      (single-pass) or per-element new reciprocals (two-pass), quantize, pack
+enum StateIO : int { kIONone = 0, kIOF32 = 1, kIOQ4 = 4, kIOQ8 = 8 };
+constexpr int64_t kPrefetch = 1024;  // elements ahead (one tile)
+
+struct StateIn {
+  const float* values = nullptr;  // kIOF32: read from here
+  float* out = nullptr;           // new values go here (in place for kIOF32 on the final pass)
+  const uint8_t* codes = nullptr; // kIOQ4/kIOQ8: packed codes of the tile
+  const float* scale = nullptr;   // per-element old scales of the tile
+  const float* qmap = nullptr;
+  Isa::T256 q256{};               // kIOQ8: the map as a register table
+};
+
+template <int IO>
+inline F load_state(const StateIn& s, int64_t i) {
+  if constexpr (IO == kIOF32) {
+    return Isa::load(s.values + i);
+  } else if constexpr (IO == kIOQ4) {
+    return Isa::lookup16(Isa::table16(s.qmap), Isa::unpack4(s.codes + i / 2)) * Isa::load(s.scale + i);
+  } else if constexpr (IO == kIOQ8) {
+    return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i)) * Isa::load(s.scale + i);
+  } else {
+    return F(0.0f);
+  }
+}
+
+template <int IO>
+inline float load_state_scalar(const StateIn& s, int64_t i) {
+  if constexpr (IO == kIOF32) {
+    return s.values[i];
+  } else if constexpr (IO == kIOQ4) {
+    return s.qmap[(s.codes[i / 2] >> ((i & 1) * 4)) & 0xF] * s.scale[i];
+  } else if constexpr (IO == kIOQ8) {
+    return s.qmap[s.codes[i]] * s.scale[i];
+  } else {
+    return 0.0f;
+  }
+}
+
+// StoreP=false (pass 1): only the states' new values are needed; the parameter math is dead code.
+template <class Rule, int IO0, int IO1, bool StoreP = true>
+void main_loop(float* p, const float* g, const StateIn& s0, const StateIn& s1, int64_t n, const Scalars& hs,
+               bool update_v) {
+  const Scalars h = hs;  // a local copy: the rule's scalars stay in registers
+  int64_t i = 0;
+  if constexpr (W > 1) {
+    for (; i + W <= n; i += W) {
+      // the next tile of this tensor is usually processed next: start its cache lines early
+      __builtin_prefetch(p + i + kPrefetch, 1);
+      __builtin_prefetch(g + i + kPrefetch, 0);
+      F P = Isa::load(p + i);
+      F A = load_state<IO0>(s0, i);
+      F B = load_state<IO1>(s1, i);
+      Rule::apply(P, Isa::load(g + i), A, B, h, update_v);
+      if constexpr (StoreP) Isa::store(p + i, P);
+      if constexpr (IO0 != kIONone) Isa::store(s0.out + i, A);
+      if constexpr (IO1 != kIONone) {
+        if (update_v) Isa::store(s1.out + i, B);
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    float P = p[i], A = load_state_scalar<IO0>(s0, i), B = load_state_scalar<IO1>(s1, i);
+    Rule::apply(P, g[i], A, B, h, update_v);
+    if constexpr (StoreP) p[i] = P;
+    if constexpr (IO0 != kIONone) s0.out[i] = A;
+    if constexpr (IO1 != kIONone) {
+      if (update_v) s1.out[i] = B;
+    }
+  }
+}
+
+template <class Rule, bool StoreP, int IO0>
+void main_loop_1(float* p, const float* g, const StateIn& s0, int io1, const StateIn& s1, int64_t n,
+                 const Scalars& h, bool update_v) {
+  if constexpr (Rule::kStates == 1) {
+    main_loop<Rule, IO0, kIONone, StoreP>(p, g, s0, s1, n, h, update_v);
+  } else {
+    switch (io1) {
+      case kIOF32: main_loop<Rule, IO0, kIOF32, StoreP>(p, g, s0, s1, n, h, update_v); break;
+      case kIOQ4: main_loop<Rule, IO0, kIOQ4, StoreP>(p, g, s0, s1, n, h, update_v); break;
+      case kIOQ8: main_loop<Rule, IO0, kIOQ8, StoreP>(p, g, s0, s1, n, h, update_v); break;
+      default: main_loop<Rule, IO0, kIONone, StoreP>(p, g, s0, s1, n, h, update_v); break;
+    }
+  }
+}
+
+template <class Rule, bool StoreP>
+void run_main_loop(float* p, const float* g, int io0, const StateIn& s0, int io1, const StateIn& s1, int64_t n,
+                   const Scalars& h, bool update_v) {
+  switch (io0) {
+    case kIOF32: main_loop_1<Rule, StoreP, kIOF32>(p, g, s0, io1, s1, n, h, update_v); break;
+    case kIOQ4: main_loop_1<Rule, StoreP, kIOQ4>(p, g, s0, io1, s1, n, h, update_v); break;
+    case kIOQ8: main_loop_1<Rule, StoreP, kIOQ8>(p, g, s0, io1, s1, n, h, update_v); break;
+    default: main_loop_1<Rule, StoreP, kIONone>(p, g, s0, io1, s1, n, h, update_v); break;
+  }
+}
+
+// per-element values of a scale layout for the tile: scales combined with fmin (dequantize) or
+// reciprocals combined with fmax (quantize)
+inline void fill_per_element(const CodecDesc& c, const TensorDesc& t, const float* vals, bool use_min,
+                             int64_t start, int64_t n, float* out) {
+  for_each_scale_run(c, t, vals, use_min, start, n,
+                     [&](int64_t off, int64_t len, float cv, const float* vec, bool comb) {
+                       float* o = out + off;
+                       int64_t j = 0;
+                       if (vec == nullptr) {
+                         const F v(cv);
+                         for (; j + W <= len; j += W) Isa::store(o + j, v);
+                         for (; j < len; ++j) o[j] = cv;
+                       } else if (!comb) {
+                         for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(vec + j));
+                         for (; j < len; ++j) o[j] = vec[j];
+                       } else {
+                         const F v(cv);
+                         for (; j + W <= len; j += W)
+                           Isa::store(o + j, use_min ? Isa::fmin_nan(v, Isa::load(vec + j))
+                                                     : Isa::fmax_nan(v, Isa::load(vec + j)));
+                         for (; j < len; ++j) o[j] = use_min ? fmin_nan(cv, vec[j]) : fmax_nan(cv, vec[j]);
+                       }
+                     });
+}
+
+// 16-entry register tables shifted by the binary-search step: probe(c, s) = table[c + s - 1]
+// becomes a plain permute of table_s at c (no index add)
+struct Probe16 {
+  Isa::T16 t4, t2, t1;
+  float first;  // table[7]: the first probe is the same for every lane
+  explicit Probe16(const float* table) {
+    alignas(64) float s4[16], s2[16];
+    for (int j = 0; j < 16; ++j) {
+      s4[j] = table[j + 3 < 16 ? j + 3 : 15];
+      s2[j] = table[j + 1 < 16 ? j + 1 : 15];
+    }
+    t4 = Isa::table16(s4);
+    t2 = Isa::table16(s2);
+    t1 = Isa::table16(table);
+    first = table[7];
+  }
+  // #{k < 16 : table[k] < x} (Le=false) or <= x (Le=true) for sorted, +inf padded tables
+  template <bool Le>
+  I count(F x) const {
+    auto cmp = [](F a, F b) { return Le ? Isa::le(a, b) : Isa::lt(a, b); };
+    I c = Isa::select_i(cmp(F(first), x), I(8u), I(0u));
+    c = Isa::add_if(cmp(Isa::lookup16(t4, c), x), c, I(4u));
+    c = Isa::add_if(cmp(Isa::lookup16(t2, c), x), c, I(2u));
+    return Isa::add_if(cmp(Isa::lookup16(t1, c), x), c, I(1u));
+  }
+};
+
+// #{k : table[k] (<|<=) x} over a 256-entry table: 16 coarse probes in a register, 4 gathers
+template <bool Le>
+inline I count256(const Probe16& coarse, const float* table, F x) {
+  I c = coarse.count<Le>(x) << 4;
+  auto cmp = [](F a, F b) { return Le ? Isa::le(a, b) : Isa::lt(a, b); };
+  c = Isa::add_if(cmp(Isa::gather(table + 7, c), x), c, I(8u));
+  c = Isa::add_if(cmp(Isa::gather(table + 3, c), x), c, I(4u));
+  c = Isa::add_if(cmp(Isa::gather(table + 1, c), x), c, I(2u));
+  return Isa::add_if(cmp(Isa::gather(table, c), x), c, I(1u));
+}
+
+// #{k : table[k] (<|<=) x} over a 256-entry sorted table with register tables only: a binary
+// search over the 32 entries [8k + 7] gives the block b, then the 7 entries [8b + j], j < 7, are
+// counted by permuting 7 "column" tables (column j holds [8k + j] for every k) by b.
+struct Search256 {
+  Isa::T32 coarse;
+  Isa::T32 cols[7];
+  float first;
+  Search256(const float* coarse32, const float* columns) {
+    coarse = Isa::table32(coarse32);
+    for (int j = 0; j < 7; ++j) cols[j] = Isa::table32(columns + 32 * j);
+    first = coarse32[15];
+  }
+  template <bool Le>
+  I count(F x) const {
+    auto cmp = [](F a, F b) { return Le ? Isa::le(a, b) : Isa::lt(a, b); };
+    I b = Isa::select_i(cmp(F(first), x), I(16u), I(0u));
+    for (uint32_t s = 8; s > 0; s >>= 1) b = Isa::add_if(cmp(Isa::lookup32(coarse, b + I(s - 1)), x), b, I(s));
+    I c = b << 3;
+    for (int j = 0; j < 7; ++j) c = Isa::add_if(cmp(Isa::lookup32(cols[j], b), x), c, I(1u));
+    return c;
+  }
+};
+
+template <int BITS, bool SR>
+struct FastQuantizer {
+  const StateDesc& st;
+  Probe16 near, sr;
+  F q0, qL;
+  I lo_max;
+  Isa::T16 qmap16;
+  Search256 near256, sr256;
+  Isa::T256 qmap256;
+  explicit FastQuantizer(const StateDesc& s)
+      : st(s),
+        near(BITS == 4 ? s.codec.mids : s.codec.coarse_mids),
+        sr(BITS == 4 ? s.codec.qsearch : s.codec.coarse_qsearch),
+        q0(s.codec.qmap[0]),
+        qL(s.codec.qmap[s.codec.levels - 1]),
+        lo_max(static_cast<uint32_t>(s.codec.levels - 2)),
+        qmap16(Isa::table16(s.codec.qmap)),
+        near256(s.codec.coarse32_mids, s.codec.cols_mids),
+        sr256(s.codec.coarse32_qsearch, s.codec.cols_qsearch),
+        qmap256(Isa::table256(s.codec.qmap)) {}
+
+  I count_near(F n) const {
+    if constexpr (BITS == 4) return near.count<false>(n);
+    else if constexpr (Isa::kPermute256) return near256.count<false>(n);
+    else return count256<false>(near, st.codec.mids, n);
+  }
+  I count_sr(F n) const {
+    if constexpr (BITS == 4) return sr.count<true>(n);
+    else if constexpr (Isa::kPermute256) return sr256.count<true>(n);
+    else return count256<true>(sr, st.codec.qsearch, n);
+  }
+
+  I code(F n, uint64_t first) const {
+    if constexpr (!SR) {
+      return count_near(n);
+    } else {
+      F nc = Isa::select(Isa::lt(n, q0), q0, n);
+      nc = Isa::select(Isa::gt(nc, qL), qL, nc);
+      const I cnt = count_sr(nc);
+      const I lo = Isa::min_i(Isa::max_i(cnt - I(1u), I(0u)), lo_max);
+      const F q_lo = BITS == 4 ? Isa::lookup16(qmap16, lo) : Isa::lookup256(qmap256, lo);
+      const F q_hi = BITS == 4 ? Isa::lookup16(qmap16, lo + I(1u)) : Isa::lookup256(qmap256, lo + I(1u));
+      const F p_up = qdiv(nc - q_lo, q_hi - q_lo);
+      const I code = Isa::add_if(Isa::lt(uniforms(st.key, first), p_up), lo, I(1u));
+      return Isa::select_i(Isa::isnan(n), I(0u), code);
+    }
+  }
+
+  void store(I code, int64_t e) const {
+    if constexpr (BITS == 4) Isa::pack4(st.codes + e / 2, code);
+    else Isa::pack8(st.codes + e, code);
+  }
+
+  // x[0..len) are elements first..first+len-1 (len a multiple of W); constant reciprocal r
+  // (0 for a zero block: 0 * 0 normalizes to 0 like the reference)
+  void run_const(const float* x, int64_t len, int64_t first, float r) const {
+    const F rv(r);
+    for (int64_t j = 0; j < len; j += W) store(code(Isa::load(x + j) * rv, first + j), first + j);
+  }
+  // per-element reciprocals (inf marks a zero scale)
+  void run_vec(const float* x, const float* r, int64_t len, int64_t first) const {
+    for (int64_t j = 0; j < len; j += W) store(code(normalize_v(Isa::load(x + j), Isa::load(r + j)), first + j), first + j);
+  }
+};
+
+inline float run_recip(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
+
+template <int BITS, bool SR>
+void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf) {
+  const FastQuantizer<BITS, SR> q(st);
+  if (!st.two_pass) {
+    const int64_t B = st.codec.block;
+    int64_t blk = start / B;
+    for (int64_t off = 0; off < n; ++blk) {
+      const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
+      const float s = scale_from_absmax_bits(absmax_bits(x + off, len));
+      st.scales[blk] = s;
+      q.run_const(x + off, len, start + off, run_recip(s));
+      off += len;
+    }
+  } else {
+    fill_per_element(st.codec, t, st.new_recip, false, start, n, rbuf);
+    q.run_vec(x, rbuf, n, start);
+  }
+}
+
+// Whether the 4/8-bit register paths apply to this state in this tile: whole vectors, and every
+// single-pass block a multiple of the vector width (so no vector straddles two blocks).
+inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
+  if (st.kind == kNone) return kIONone;
+  if (st.kind == kFp32) return kIOF32;
+  const CodecDesc& c = st.codec;
+  if (!Isa::kFastPack || W == 1 || (c.bits != 4 && c.bits != 8) || n % W != 0 || start % W != 0) return kIOF32;
+  if (!st.two_pass && c.block % W != 0) return kIOF32;
+  return c.bits;  // kIOQ4 / kIOQ8
+}
+
 template <class Rule>
 inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase, int32_t tid, Buffers& b) {
   const bool final_pass = phase == kPassApply;
@@ -502,42 +774,68 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
   float* p;
   if (t.pdtype == kF32 && final_pass) {
     p = static_cast<float*>(t.param) + start;
-  } else {
+  } else if (final_pass || Rule::states_read_param(t.h)) {
     load_as_f32(t.param, t.pdtype, start, n, b.p);
     p = b.p;
+  } else {  // pass 1 of a rule whose states ignore p: any finite values do (p is never stored)
+    p = const_cast<float*>(g);
   }
-  float* s[2];
+  StateIn in[2];
+  int io[2];
   for (int k = 0; k < 2; ++k) {
     const StateDesc& st = t.st[k];
+    io[k] = state_io(st, start, n);
+    StateIn& s = in[k];
+    if (!final_pass && !(st.kind == kQuant && st.two_pass)) {  // pass 1 needs only two-pass states
+      io[k] = kIONone;
+      continue;
+    }
     if (st.kind == kFp32) {
       if (final_pass) {
-        s[k] = st.values + start;
+        s.values = s.out = st.values + start;
       } else {
         load_as_f32(st.values, kF32, start, n, b.s[k]);
-        s[k] = b.s[k];
+        s.values = s.out = b.s[k];
       }
-    } else {
-      if (st.kind == kQuant) dequantize(st, t, start, n, b.s[k], b.codes);
-      s[k] = b.s[k];
+    } else if (st.kind == kQuant) {
+      s.out = b.s[k];
+      if (io[k] == kIOF32) {  // other widths / irregular tiles: generic dequantize into the buffer
+        dequantize(st, t, start, n, b.s[k], b.codes);
+        s.values = b.s[k];
+      } else {
+        fill_per_element(st.codec, t, st.scales, true, start, n, b.sc[k]);
+        s.codes = st.codes + start * st.codec.bits / 8;
+        s.scale = b.sc[k];
+        s.qmap = st.codec.qmap;
+        if (io[k] == kIOQ8) s.q256 = Isa::table256(st.codec.qmap);
+      }
     }
   }
   bool update_v = true;
   if (t.factored) {
     fill_vhat(t, start, n, b.vhat);
-    s[1] = b.vhat;
+    in[1].values = b.vhat;
+    io[1] = kIOF32;
     update_v = false;
   }
-  apply_rule<Rule>(p, g, s[0], s[1], n, t.h, update_v);
+  if (final_pass) run_main_loop<Rule, true>(p, g, io[0], in[0], io[1], in[1], n, t.h, update_v);
+  else run_main_loop<Rule, false>(p, g, io[0], in[0], io[1], in[1], n, t.h, update_v);
   if (!final_pass) {
     for (int k = 0; k < 2; ++k) {
       const StateDesc& st = t.st[k];
-      if (st.kind == kQuant && st.two_pass) reduce_absmax(st, t, start, n, s[k], st.partial + tid * st.num_scales);
+      if (st.kind == kQuant && st.two_pass) reduce_absmax(st, t, start, n, b.s[k], st.partial + tid * st.num_scales);
     }
     return;
   }
   for (int k = 0; k < 2; ++k) {
     const StateDesc& st = t.st[k];
-    if (st.kind == kQuant) quantize(st, t, start, n, s[k], b.codes);
+    if (st.kind != kQuant) continue;
+    const bool sr = st.codec.stochastic != 0;
+    if (io[k] == kIOQ4) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k])
+                           : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k]);
+    else if (io[k] == kIOQ8) sr ? quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k])
+                                : quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
+    else quantize(st, t, start, n, b.s[k], b.codes);
   }
   if (t.pdtype != kF32) store_from_f32(t.param, t.pdtype, start, n, p);
 }

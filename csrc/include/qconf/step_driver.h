@@ -18,8 +18,10 @@ constexpr int kStateCols = 9;    // kind, table, bits, levels, scale_kind, block
 constexpr int kMetaCols = kColState + 2 * kStateCols;
 // states: kStateSlots tensors per parameter: s0 (values|codes), s0 scales, s1, s1 scales, row, col
 constexpr int kStateSlots = 6;
-// tables: float32 [N, kTableRows, 256]: qmap, midpoints(+inf), qmap(+inf), coarse (16 mids, 16 qmap)
-constexpr int kTableRows = 4;
+// tables: float32 [N, kTableRows, 256]: qmap, midpoints(+inf), qmap(+inf), coarse16 (16 mids,
+// 16 qmap), coarse32 (32 mids, 32 qmap), mids columns (7 x 32), qmap columns (7 x 32); see
+// qconf/ops/step.py codec_table
+constexpr int kTableRows = 7;
 // hyper: lr, beta1, beta2, eps, weight_decay, momentum, dampening, maximize, nesterov, decoupled
 constexpr size_t kHyperLen = 10;
 

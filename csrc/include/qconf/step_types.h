@@ -31,6 +31,10 @@ struct CodecDesc {
   const float* qsearch = nullptr;  // kTableSize entries: the map, then +inf
   const float* coarse_mids = nullptr;     // 16 entries: mids[16k + 15] (first 4 search levels)
   const float* coarse_qsearch = nullptr;  // 16 entries: qsearch[16k + 15]
+  const float* coarse32_mids = nullptr;   // 32 entries: mids[8k + 7]
+  const float* coarse32_qsearch = nullptr;
+  const float* cols_mids = nullptr;       // 7 x 32: [j*32 + k] = mids[8k + j]
+  const float* cols_qsearch = nullptr;
 };
 
 struct StateDesc {
