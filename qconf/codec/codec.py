@@ -142,32 +142,72 @@ class Codec:
         return torch.where(torch.isnan(n), torch.zeros_like(codes), codes)
 
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, *,
-               noise: torch.Tensor | None = None) -> "QTensor":
+               noise: torch.Tensor | None = None, backend: str = "reference") -> "QTensor":
         """Quantize ``x`` (any shape; fp32/bf16/fp16/fp64; any strides) into a :class:`QTensor`.
 
         For stochastic rounding the uniforms come from ``noise`` (fp32, ``x.numel()`` values in
         [0, 1)) if given, else ``torch.rand`` with ``generator`` (the global RNG when None).
+        ``backend="native"`` runs the compiled kernel (CPU tensors, up to 8 dims); it gives the
+        same codes and scales as the reference for the same noise.
         """
-        n, scales = self.normalize(x)
+        x32 = _as_fp32(x)
         if self.rounding == "stochastic" and noise is None:
-            noise = torch.rand(n.shape, generator=generator, device=n.device, dtype=torch.float32)
-        elif noise is not None and noise.numel() != n.numel():
-            raise ValueError(f"noise has {noise.numel()} values, expected one per element ({n.numel()})")
+            noise = torch.rand(x32.shape, generator=generator, device=x32.device, dtype=torch.float32)
+        elif noise is not None and noise.numel() != x32.numel():
+            raise ValueError(f"noise has {noise.numel()} values, expected one per element ({x32.numel()})")
+        if _check_backend(backend) == "native" and x32.numel() > 0:
+            return self._native_encode(x32, noise)
+        n, scales = self.normalize(x32)
         codes = self.quantize(n, noise)
         return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
 
-    def decode(self, q: "QTensor") -> torch.Tensor:
-        """Dequantize ``q`` (encoded by this codec) to an fp32 tensor of the original shape."""
+    def _native_args(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
+        from ..ops import native_available, native_error
+        from ..ops.step import codec_table, scale_layout
+
+        if not native_available():
+            raise RuntimeError(f"backend='native' needs the extension qconf._C ({native_error()})")
+        if len(shape) > 8:
+            raise ValueError(f"backend='native' handles at most 8 dimensions, got {len(shape)}")
+        table = self._device_tables.get("native")
+        if table is None:
+            table = self._device_tables["native"] = codec_table(self).contiguous()
+        kind, block, d1, inner = scale_layout(self, shape)
+        return table, [self.bits, self.qmap.numel(), kind, block, d1, inner, int(self.rounding == "stochastic"),
+                       self.num_scales(shape)]
+
+    def _native_encode(self, x32: torch.Tensor, noise: torch.Tensor | None) -> "QTensor":
+        table, desc = self._native_args(tuple(x32.shape))
+        if noise is not None:
+            noise = noise.to(torch.float32).reshape(x32.shape).contiguous()
+        codes, scales = torch.ops.qconf.encode(x32.contiguous(), table, desc, noise)
+        return QTensor(codes, scales, torch.Size(x32.shape), self)
+
+    def decode(self, q: "QTensor", *, backend: str = "reference") -> torch.Tensor:
+        """Dequantize ``q`` (encoded by this codec) to an fp32 tensor of the original shape
+        (``backend="native"``: the compiled kernel, same values)."""
         if not isinstance(q, QTensor):
             raise TypeError(f"Codec.decode expects a QTensor, got {type(q).__name__}")
         if q.codec != self:
             raise ValueError(f"QTensor was encoded with {q.codec!r} and cannot be decoded with {self!r}; "
                              "use q.decode() or the encoding codec")
+        if _check_backend(backend) == "native" and q.numel() > 0:
+            table, desc = self._native_args(tuple(q.shape))
+            return torch.ops.qconf.decode(q.codes, q.scales, table, desc, list(q.shape))
         qmap, _ = self._tables(q.codes.device)
         numel = math.prod(q.shape)
         codes = packing.unpack(q.codes, self.bits, numel)
         s = expand_scales(q.scales, tuple(q.shape), self.scale, self.group_size)
         return qmap[codes].reshape(q.shape) * s
+
+
+BACKENDS = ("reference", "native")
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    return backend
 
 
 def _as_fp32(x: torch.Tensor) -> torch.Tensor:

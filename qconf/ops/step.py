@@ -185,7 +185,7 @@ class FusedStepper:
                 return
         else:
             have = None
-        key = (opt._layout_version, have)
+        key = (opt._layout_version, have, opt._spec_signature(group))
         cached = self._plans.get(id(group))
         if cached is None or cached[0] != key:
             new = {}
@@ -198,7 +198,7 @@ class FusedStepper:
                     raise RuntimeError(f"{type(opt).__name__}(fused=True): {opt._describe(index[id(p)])} has {reason}")
                 new[index[id(p)]] = opt._ensure_state(p, index[id(p)], group)
             plan = _GroupPlan(opt, group, params, new)
-            key = (opt._layout_version, have)
+            key = (opt._layout_version, have, opt._spec_signature(group))
             if not plan.one_shot:
                 self._plans[id(group)] = (key, plan)
             else:
@@ -211,3 +211,15 @@ class FusedStepper:
 @torch.library.register_fake("qconf::fused_step")
 def _fused_step_fake(rule, params, grads, steps, states, meta, tables, hyper, seed):  # noqa: ANN001
     return None
+
+
+@torch.library.register_fake("qconf::encode")
+def _encode_fake(x, table, codec, noise):  # noqa: ANN001
+    bits, num_scales = codec[0], codec[7]
+    return (x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8),
+            x.new_empty((num_scales,), dtype=torch.float32))
+
+
+@torch.library.register_fake("qconf::decode")
+def _decode_fake(codes, scales, table, codec, shape):  # noqa: ANN001
+    return scales.new_empty(tuple(shape), dtype=torch.float32)

@@ -61,6 +61,9 @@ class _AdamBase(QOptimizer):
             specs.append(StateSpec("exp_avg_sq", "exp_avg_sq", shape))
         return specs
 
+    def _spec_signature(self, group: dict[str, Any]) -> tuple:
+        return (bool(group["factor_second_moment"]),)
+
     def _hyper(self, group: dict[str, Any]) -> list[float]:
         beta1, beta2 = group["betas"]
         return [scalar(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], 0.0, 0.0,

@@ -258,6 +258,10 @@ class QOptimizer(Optimizer):
             self._fusable_cache[id(group)] = cached
         return cached[1]
 
+    def _spec_signature(self, group: dict[str, Any]) -> tuple:
+        """The group hyperparameters that decide which states exist (cached plans depend on it)."""
+        return ()
+
     def _hyper(self, group: dict[str, Any]) -> list[float]:
         """The kernel's hyperparameters: lr, beta1, beta2, eps, weight_decay, momentum, dampening,
         maximize, nesterov, decoupled (see csrc/include/qconf/step_driver.h)."""

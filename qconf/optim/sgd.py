@@ -52,6 +52,9 @@ class SGD(QOptimizer):
             return []
         return [StateSpec("momentum_buffer", "exp_avg", tuple(p.shape))]
 
+    def _spec_signature(self, group: dict[str, Any]) -> tuple:
+        return (group["momentum"] != 0,)
+
     def _hyper(self, group: dict[str, Any]) -> list[float]:
         return [scalar(group["lr"]), 0.0, 0.0, 0.0, group["weight_decay"], group["momentum"], group["dampening"],
                 float(group["maximize"]), float(group["nesterov"]), 0.0]

@@ -306,16 +306,17 @@ inline void quantize_run(const StateDesc& st, const SearchTables& tb, const floa
   for (; j + W <= len; j += W) {
     F r = rvec == nullptr ? F(rc) : (comb ? Isa::fmax_nan(F(rc), Isa::load(rvec + j)) : Isa::load(rvec + j));
     const F n = normalize_v(Isa::load(x + j), r);
-    const I code = c.stochastic ? search_stochastic(c, tb, n, uniforms(st.key, first + j)) : search_nearest(c, tb, n);
+    I code;
+    if (!c.stochastic) code = search_nearest(c, tb, n);
+    else code = search_stochastic(c, tb, n, st.noise ? Isa::load(st.noise + first + j) : uniforms(st.key, first + j));
     Isa::store_i(codes + j, code);
   }
   for (; j < len; ++j) {
     const float r = rvec == nullptr ? rc : (comb ? fmax_nan(rc, rvec[j]) : rvec[j]);
     const float n = normalize(x[j], r);
-    codes[j] = static_cast<uint32_t>(
-        c.stochastic ? quantize_stochastic(n, uniform01(hash_bits(st.key, first + j)), c.qmap, c.qsearch, c.levels,
-                                           c.bits)
-                     : quantize_nearest(n, c.mids, c.bits));
+    const float u = !c.stochastic ? 0.0f : (st.noise ? st.noise[first + j] : uniform01(hash_bits(st.key, first + j)));
+    codes[j] = static_cast<uint32_t>(c.stochastic ? quantize_stochastic(n, u, c.qmap, c.qsearch, c.levels, c.bits)
+                                                  : quantize_nearest(n, c.mids, c.bits));
   }
 }
 
@@ -861,4 +862,18 @@ void run_items(const StepContext& ctx, const WorkItem* items, int64_t begin, int
     case kRuleSgd: run_items_rule<SgdRule>(ctx, items, begin, end, phase, tid); break;
     default: run_items_rule<LionRule>(ctx, items, begin, end, phase, tid); break;
   }
+}
+
+// Standalone encode/decode of one tensor (the generic tile functions, no update rule).
+void run_codec_items(const CodecJob& job, const WorkItem* items, int64_t begin, int64_t end, int32_t op,
+                     int32_t tid) {
+  uint32_t* codes = new uint32_t[job.tile + 64];
+  StateDesc& st = *job.st;
+  for (int64_t k = begin; k < end; ++k) {
+    const int64_t start = items[k].start, n = items[k].len;
+    if (op == kCodecReduce) reduce_absmax(st, *job.t, start, n, job.x + start, st.partial + tid * st.num_scales);
+    else if (op == kCodecQuantize) quantize(st, *job.t, start, n, job.x + start, codes);
+    else dequantize(st, *job.t, start, n, job.out + start, codes);
+  }
+  delete[] codes;
 }

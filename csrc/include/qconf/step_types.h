@@ -46,6 +46,7 @@ struct StateDesc {
   int64_t num_scales = 0;
   CodecDesc codec;
   StreamKey key{0, 0};      // stochastic rounding stream of this state at this step
+  const float* noise = nullptr;  // if set: the uniforms for stochastic rounding, one per element
   // two-pass scratch (driver-owned)
   uint32_t* partial = nullptr;  // per-thread absmax bits, `num_scales` per thread
   float* new_recip = nullptr;   // 1 / new scale, `num_scales`
@@ -99,6 +100,22 @@ struct StepContext {
 // Per-ISA entry point: run items [begin, end) of `items` in `phase` on thread `tid`.
 using RunItemsFn = void (*)(const StepContext& ctx, const WorkItem* items, int64_t begin, int64_t end,
                             int32_t phase, int32_t tid);
+
+// Standalone codec encode/decode (Codec(..., backend="native")): one tensor, one state.
+enum CodecOp : int32_t { kCodecReduce = 0, kCodecQuantize = 1, kCodecDequantize = 2 };
+struct CodecJob {
+  TensorDesc* t = nullptr;
+  StateDesc* st = nullptr;
+  const float* x = nullptr;  // encode input, fp32 contiguous
+  float* out = nullptr;      // decode output, fp32 contiguous
+  int64_t tile = 0;
+};
+using RunCodecFn = void (*)(const CodecJob& job, const WorkItem* items, int64_t begin, int64_t end, int32_t op,
+                            int32_t tid);
+
+namespace isa_scalar { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+namespace isa_avx2 { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+namespace isa_avx512 { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 
 namespace isa_scalar { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 namespace isa_avx2 { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }

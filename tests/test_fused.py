@@ -1,0 +1,259 @@
+"""Fused native kernels against the reference path: every shipped config, a sweep of codecs,
+odd shapes, dtypes and non-contiguous gradients, every ISA and thread count.
+
+The fused kernels perform the reference's fp32 operations in the same order, so codes, scales
+and parameters are compared for exact equality; the factored second moment (whose row/column
+means are summed in a different order) is compared within 1e-6 of each tensor's magnitude.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from qconf.codec import MAP_NAMES, SCALE_TYPES, QTensor
+from qconf.optim import SGD, Adam, AdamW, Lion
+
+from helpers import CONFIGS, assert_rel_close
+
+ops = pytest.importorskip("qconf.ops")
+if not ops.fused_available():  # pragma: no cover - the CI build always has the extension
+    pytest.skip(f"fused kernels unavailable: {ops.native_error()}", allow_module_level=True)
+
+SHAPES = [(1,), (127,), (4097,), (33, 130), (3, 5, 7), (2, 3, 4, 5), (64, 96)]
+ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yml"))
+
+
+def _isas():
+    best = torch.ops.qconf.cpu_isa_best()
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(best) + 1]
+
+
+def _params(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in shapes]
+
+
+def _grads(shapes, step, dtype, noncontig):
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for s in shapes:
+        x = torch.randn(s, generator=g) * (10.0 ** (step % 3 - 3))
+        if noncontig and len(s) >= 2:
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous strides
+        out.append(x.to(dtype))
+    return out
+
+
+def _run(make, shapes, dtype, steps, fused, noncontig=False, isa=None, threads=None, monkeypatch=None):
+    params = _params(shapes, dtype)
+    opt = make(params, fused)
+    if isa is not None:
+        monkeypatch.setenv("QCONF_CPU_ISA", isa)
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for step in range(steps):
+            for p, g in zip(params, _grads(shapes, step, dtype, noncontig)):
+                p.grad = g
+            opt.step()
+    finally:
+        torch.set_num_threads(old_threads)
+        if isa is not None:
+            monkeypatch.delenv("QCONF_CPU_ISA")
+    return params, opt
+
+
+def _assert_same(ref, fused, exact_params=True):
+    (p_ref, o_ref), (p_fus, o_fus) = ref, fused
+    for a, b in zip(p_ref, p_fus):
+        if exact_params:
+            assert torch.equal(a, b), (a - b).abs().max()
+        else:
+            assert_rel_close(b, a, 1e-6)
+        sa, sb = o_ref.state[a], o_fus.state[b]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            x, y = sa[k], sb[k]
+            if isinstance(x, QTensor):
+                assert isinstance(y, QTensor) and x.codec == y.codec
+                assert torch.equal(x.codes, y.codes), f"{k} codes differ in {int((x.codes != y.codes).sum())} bytes"
+                assert torch.equal(x.scales, y.scales) or torch.equal(x.scales.nan_to_num(), y.scales.nan_to_num())
+            elif exact_params or k == "step":
+                assert torch.equal(x, y), k
+            else:
+                assert_rel_close(y, x, 1e-6)
+
+
+RULES = {
+    "adamw": lambda cfg: lambda ps, f: AdamW(ps, lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=f, seed=3),
+    "adam": lambda cfg: lambda ps, f: Adam(ps, lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=f, seed=3),
+    "adamw_max": lambda cfg: lambda ps, f: AdamW(ps, lr=1e-2, maximize=True, qconfig=cfg, fused=f, seed=3),
+    "sgd": lambda cfg: lambda ps, f: SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3, qconfig=cfg, fused=f, seed=3),
+    "sgd_nesterov": lambda cfg: lambda ps, f: SGD(ps, lr=0.05, momentum=0.9, nesterov=True, qconfig=cfg,
+                                                  fused=f, seed=3),
+    "sgd_damp": lambda cfg: lambda ps, f: SGD(ps, lr=0.05, momentum=0.5, dampening=0.3, qconfig=cfg, fused=f,
+                                              seed=3),
+    "sgd_plain": lambda cfg: lambda ps, f: SGD(ps, lr=0.05, qconfig=cfg, fused=f, seed=3),
+    "lion": lambda cfg: lambda ps, f: Lion(ps, lr=1e-3, weight_decay=0.1, qconfig=cfg, fused=f, seed=3),
+}
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS)
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_shipped_config_and_rule_matches_reference(config, rule):
+    cfg = {"base": str(CONFIGS / config), "min_numel": 0}  # quantize every shape, even the tiny ones
+    make = RULES[rule](cfg)
+    _assert_same(_run(make, SHAPES, torch.float32, 20, False), _run(make, SHAPES, torch.float32, 20, True))
+
+
+@pytest.mark.parametrize("config", ["default.yml", "8bit.yml", "2nd_moment_group_128.yml"])
+def test_factored_second_moment_matches_reference(config):
+    cfg = {"base": str(CONFIGS / config), "min_numel": 0}
+    make = lambda ps, f: AdamW(ps, lr=1e-2, factor_second_moment=True, qconfig=cfg, fused=f, seed=3)  # noqa: E731
+    _assert_same(_run(make, SHAPES, torch.float32, 20, False), _run(make, SHAPES, torch.float32, 20, True),
+                 exact_params=False)
+
+
+SWEEP = list(itertools.product(SCALE_TYPES, MAP_NAMES, (4, 8), ("nearest", "stochastic")))
+
+
+@pytest.mark.parametrize("scale,map,bits,rounding", SWEEP)
+def test_codec_sweep_matches_reference(scale, map, bits, rounding):
+    state = {"bits": bits, "map": map, "scale": scale, "group_size": 32, "rounding": rounding}
+    cfg = {"min_numel": 0, "states": {"exp_avg": {**state, "signed": True},
+                                      "exp_avg_sq": {**state, "signed": False}}}
+    make = RULES["adamw"](cfg)
+    for dtype, noncontig in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, True)):
+        ref = _run(make, SHAPES, dtype, 6, False, noncontig)
+        fus = _run(make, SHAPES, dtype, 6, True, noncontig)
+        _assert_same(ref, fus)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 6, 7])
+def test_other_widths_are_fused_and_match(bits):
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": bits, "map": "linear" if bits > 1 else "power-1"},
+                                      "exp_avg_sq": {"bits": bits, "map": "power-1", "scale": "rank1"}}}
+    make = RULES["adamw"](cfg)
+    _assert_same(_run(make, SHAPES, torch.float32, 8, False), _run(make, SHAPES, torch.float32, 8, True))
+
+
+@pytest.mark.parametrize("config", ["default.yml", "8bit.yml", "default_5b.yml", "2nd_moment_group_128.yml"])
+def test_identical_across_isas_and_thread_counts(config, monkeypatch):
+    cfg = {"base": str(CONFIGS / config), "min_numel": 0,
+           "states": {"exp_avg": {"rounding": "stochastic"}}}
+    shapes = SHAPES + [(256, 1024)]  # big enough for several tiles per thread
+    make = RULES["adamw"](cfg)
+    runs = [_run(make, shapes, torch.float32, 5, True, isa=isa, threads=t, monkeypatch=monkeypatch)
+            for isa in _isas() for t in (1, 2)]
+    for other in runs[1:]:
+        _assert_same(runs[0], other)
+
+
+def test_huge_blocks_and_tensor_scale_take_two_passes_correctly():
+    # blocks larger than a tile (two-pass "group"), tensor scale over a multi-tile tensor, dim0 rows
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"scale": "group", "group_size": 40000},
+                                      "exp_avg_sq": {"scale": "tensor"}}}
+    make = RULES["adamw"](cfg)
+    shapes = [(300, 500), (70001,)]
+    _assert_same(_run(make, shapes, torch.float32, 5, False), _run(make, shapes, torch.float32, 5, True))
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"scale": "dim0"}, "exp_avg_sq": {"scale": "dim1"}}}
+    make = RULES["sgd"](cfg)
+    _assert_same(_run(make, shapes[:1], torch.float32, 5, False), _run(make, shapes[:1], torch.float32, 5, True))
+
+
+def test_mixed_groups_params_without_grads_and_lazy_state():
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(100, 50)), torch.nn.Parameter(torch.randn(10)),
+         torch.nn.Parameter(torch.randn(7000))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    oa = SGD([{"params": a[:2], "momentum": 0.9}, {"params": a[2:], "lr": 0.01}], lr=0.1, fused=False)
+    ob = SGD([{"params": b[:2], "momentum": 0.9}, {"params": b[2:], "lr": 0.01}], lr=0.1, fused=True)
+    for step in range(6):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if step % 2 == 1 and i == 1:  # a param that sometimes has no gradient
+                x.grad = y.grad = None
+                continue
+            g = torch.randn_like(x)
+            x.grad, y.grad = g.clone(), g.clone()
+        if step == 3:  # momentum switched on later: the buffer starts from the gradient
+            oa.param_groups[1]["momentum"] = ob.param_groups[1]["momentum"] = 0.5
+        oa.step()
+        ob.step()
+    _assert_same((a, oa), (b, ob))
+
+
+def test_fused_true_rejects_what_it_cannot_fuse():
+    p = torch.nn.Parameter(torch.randn(10, dtype=torch.float64))
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match=r"AdamW\(fused=True\) cannot fuse: parameter 0 has dtype torch.float64"):
+        AdamW([p], fused=True).step()
+    with pytest.warns(UserWarning, match="using the reference path for a param group"):
+        AdamW([p], fused=None).step()
+
+
+def test_resume_between_fused_and_reference_is_bit_exact():
+    import io
+    shapes = [(64, 96), (4097,)]
+    make = RULES["adamw"]({"base": str(CONFIGS / "default.yml"), "min_numel": 0})
+    full = _run(make, shapes, torch.float32, 10, True)
+    part_params, part = _run(make, shapes, torch.float32, 5, True)
+    buf = io.BytesIO()
+    torch.save(part.state_dict(), buf)
+    buf.seek(0)
+    ref_opt = make(part_params, False)  # continue on the reference path
+    ref_opt.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(5, 10):
+        for p, g in zip(part_params, _grads(shapes, step, torch.float32, False)):
+            p.grad = g
+        ref_opt.step()
+    _assert_same(full, (part_params, ref_opt))
+
+
+def test_fused_op_compiles_without_graph_breaks():
+    """The functional op runs under torch.compile(fullgraph=True) and matches eager."""
+    from qconf.ops.step import _GroupPlan
+
+    shapes = [(64, 96), (300,)]
+    params = _params(shapes, torch.float32)
+    opt = AdamW(params, lr=1e-2, qconfig=CONFIGS / "default.yml", fused=True, seed=1)
+    for p, g in zip(params, _grads(shapes, 0, torch.float32, False)):
+        p.grad = g
+    opt.step()  # creates the states
+    plan = _GroupPlan(opt, opt.param_groups[0], params, {})
+    grads = [p.grad for p in params]
+    hyper = opt._hyper(opt.param_groups[0])
+    snapshot = [t.clone() for t in plan.params + plan.states + plan.steps]
+
+    def step(grads):
+        torch.ops.qconf.fused_step(plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta, plan.tables,
+                                   hyper, 7)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled(grads)
+    after_compiled = [t.clone() for t in plan.params + plan.states + plan.steps]
+    for t, s in zip(plan.params + plan.states + plan.steps, snapshot):
+        t.data.copy_(s)
+    step(grads)
+    for x, y in zip(after_compiled, plan.params + plan.states + plan.steps):
+        assert torch.equal(x, y)
+
+
+def test_no_numel_temporaries_in_the_step():
+    """A fused step allocates no tensor scaling with the parameter size (tile buffers are per thread)."""
+    import tracemalloc  # noqa: F401  (python allocations are irrelevant; we watch torch's allocator)
+
+    shapes = [(2048, 1024)]
+    params = _params(shapes, torch.float32)
+    opt = AdamW(params, qconfig=CONFIGS / "default.yml", fused=True)
+    for p, g in zip(params, _grads(shapes, 0, torch.float32, False)):
+        p.grad = g
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    peak = max((e.cpu_memory_usage for e in prof.key_averages()), default=0)
+    assert peak < 0.02 * math.prod(shapes[0]) * 4, peak
