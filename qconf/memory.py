@@ -98,7 +98,7 @@ def memory_report(opt: Any) -> MemoryReport:
         plan = opt.plan(index)
         state = opt.state.get(p, {})
         states, formats = {}, {}
-        for spec in opt._state_specs(group, p):
+        for spec in opt._specs(group, p, plan):
             codec = opt._codec_for(plan, spec)
             value = state.get(spec.key)
             if value is not None:
@@ -106,7 +106,8 @@ def memory_report(opt: Any) -> MemoryReport:
                 codec = value.codec if isinstance(value, QTensor) else None
             else:
                 states[spec.key] = codec.nbytes(spec.shape) if codec is not None else 4 * math.prod(spec.shape)
-            formats[spec.key] = "fp32" if codec is None else describe_codec(codec, spec.shape)
+            formats[spec.key] = (str(spec.dtype).removeprefix("torch.") if codec is None
+                                 else describe_codec(codec, spec.shape))
         fp32 = 4 * p.numel() * opt.fp32_state_count(group)
         rows.append(MemoryRow(name or f"param{index}", tuple(p.shape), states, formats, fp32))
     return MemoryReport(tuple(rows))

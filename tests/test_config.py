@@ -72,7 +72,7 @@ def test_to_dict_is_full_and_plain():
     assert list(d["states"]) == list(STATE_NAMES)
     for section in d["states"].values():
         assert list(section) == ["enable", "bits", "map", "signed", "scale", "group_size", "rounding", "min_numel"]
-    assert d["weights"] == {"rounding": "nearest", "compensation": "none"}
+    assert d["weights"] == {"rounding": "nearest", "compensation": "none", "compensation_codec": None}
     assert "source" not in d and "base" not in d
 
     def plain(x):

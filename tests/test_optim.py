@@ -331,8 +331,3 @@ def test_memory_report_rows_and_totals():
     assert rep.to_dict()["total_bytes"] == rep.total_bytes
 
 
-def test_weights_section_is_refused_until_implemented():
-    model = mlp()
-    opt = AdamW(model.parameters(), qconfig={"weights": {"rounding": "stochastic"}}, fused=False)
-    with pytest.raises(NotImplementedError, match="weights.rounding='stochastic'"):
-        train_steps(model, opt, 1)

@@ -23,6 +23,7 @@ _M2 = 0x846CA68B
 STREAM_EXP_AVG = 0
 STREAM_EXP_AVG_SQ = 1
 STREAM_PARAM = 2
+STREAM_COMPENSATION = 3
 
 
 def splitmix64(x: int) -> int:

@@ -164,7 +164,7 @@ _BAD = object()  # check_value's "invalid" result
 class Spec:
     """The rule for one scalar field: a boolean, a bounded integer, or one of a set of strings."""
 
-    kind: str                       # "bool" | "int" | "enum"
+    kind: str                       # "bool" | "int" | "enum" | "codec" (a nested codec section)
     lo: int | None = None
     hi: int | None = None
     choices: tuple[str, ...] = ()
@@ -181,6 +181,8 @@ class Spec:
                 text = f"integer {self.lo}..{self.hi}"
             else:
                 text = f"integer >= {self.lo}"
+        elif self.kind == "codec":
+            text = f"a mapping with keys {', '.join(CODEC_FIELDS)} (scale group or dim0)"
         else:
             text = ", ".join(self.choices)
         return text + (" or null" if self.nullable else "")
@@ -190,6 +192,8 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
     """Return the (normalized) value, or ``_BAD`` after reporting why it is invalid."""
     if value is None and spec.nullable:
         return None
+    if spec.kind == "codec":
+        return check_codec(value, path, rep)
     if spec.kind == "bool":
         if not isinstance(value, bool):
             rep.add(path, value, f"{fmt(value)} is not a boolean", spec.allowed())
@@ -231,11 +235,42 @@ STATE_FIELDS: Mapping[str, Spec] = FrozenDict({
 #: Fields an override may set for a state (``min_numel`` is a selector of the override instead).
 OVERRIDE_STATE_FIELDS: Mapping[str, Spec] = FrozenDict(
     {k: v for k, v in STATE_FIELDS.items() if k != "min_numel"})
+#: Fields of a codec section without a state's enable/threshold (the Kahan buffer's codec).
+CODEC_FIELDS: Mapping[str, Spec] = FrozenDict(
+    {k: v for k, v in STATE_FIELDS.items() if k not in ("enable", "min_numel")})
+#: Defaults of ``weights.compensation_codec`` fields the user leaves out: 8-bit signed blockwise.
+COMPENSATION_CODEC_DEFAULTS: Mapping[str, Any] = FrozenDict(
+    bits=8, map="nonlinear", signed=True, scale="group", group_size=128, rounding="nearest")
 #: Rules for ``weights``.
 WEIGHTS_FIELDS: Mapping[str, Spec] = FrozenDict({
     "rounding": Spec("enum", choices=WEIGHT_ROUNDING, noun="weights rounding mode"),
     "compensation": Spec("enum", choices=WEIGHT_COMPENSATION, noun="compensation"),
+    "compensation_codec": Spec("codec", nullable=True),
 })
+
+
+def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
+    """Validate a codec section (``weights.compensation_codec``); return it complete (defaults
+    filled in) as a FrozenDict, or ``_BAD``. The Kahan buffer is quantized block by block in the
+    same pass as the parameter, so only block scales (group, dim0) are allowed."""
+    if not isinstance(raw, Mapping):
+        rep.add(path, raw, f"expected a mapping of codec fields, got {kind(raw)} {fmt(raw)}",
+                Spec("codec", nullable=True).allowed())
+        return _BAD
+    before = len(rep.problems)
+    fields = check_section(raw, CODEC_FIELDS, path, rep)
+    if len(rep.problems) != before:
+        return _BAD
+    merged = {**COMPENSATION_CODEC_DEFAULTS, **fields}
+    combo = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
+    if combo:
+        rep.add(path, dict(raw), combo, "bits >= 2 for a signed linear map")
+        return _BAD
+    if merged["scale"] not in ("group", "dim0"):
+        rep.add(join(path, "scale"), merged["scale"], f"{fmt(merged['scale'])} is not supported for the "
+                "compensation buffer (it is quantized block by block with the parameter)", "group, dim0")
+        return _BAD
+    return FrozenDict(merged)
 #: Rules for the scalar top-level keys.
 TOP_FIELDS: Mapping[str, Spec] = FrozenDict({
     "version": Spec("int", 1, 1),
@@ -478,15 +513,27 @@ class WeightsConfig:
 
     rounding: str = "nearest"       # nearest | stochastic
     compensation: str = "none"      # none | kahan
+    compensation_codec: Mapping[str, Any] | None = None  # Kahan buffer codec; None = parameter dtype
 
     def __post_init__(self) -> None:
         rep = Reporter("<WeightsConfig>")
         for name, spec in WEIGHTS_FIELDS.items():
-            check_value(spec, getattr(self, name), name, rep)
+            checked = check_value(spec, getattr(self, name), name, rep)
+            if name == "compensation_codec" and checked is not _BAD:
+                object.__setattr__(self, name, checked)
         rep.raise_if_any()
 
+    def codec(self) -> "Codec | None":  # noqa: F821
+        """The Codec of the Kahan compensation buffer, or None to keep it in the parameter's dtype."""
+        c = self.compensation_codec
+        return None if c is None else make_codec(c["bits"], c["map"], c["signed"], c["scale"], c["group_size"],
+                                                  c["rounding"])
+
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in WEIGHTS_FIELDS}
+        out = {name: getattr(self, name) for name in WEIGHTS_FIELDS}
+        if out["compensation_codec"] is not None:
+            out["compensation_codec"] = dict(out["compensation_codec"])
+        return out
 
 
 def _shape_numel(shape: Sequence[int]) -> int:

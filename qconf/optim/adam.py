@@ -42,14 +42,16 @@ class _AdamBase(QOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  factor_second_moment: bool = False, maximize: bool = False, foreach: bool | None = None,
                  capturable: bool = False, differentiable: bool = False, qconfig: Any = None,
-                 fused: bool | None = None, seed: int | None = None) -> None:
+                 fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
+                 compensation: str | None = None) -> None:
         betas = check_adam_like(lr, betas, eps, weight_decay)
         refuse_unsupported(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
                            differentiable=differentiable)
         del foreach  # accepted for signature compatibility; qconf picks fused or reference itself
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
                     "factor_second_moment": factor_second_moment}
-        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed)
+        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
+                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         shape = tuple(p.shape)

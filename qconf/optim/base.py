@@ -18,11 +18,13 @@ from torch.optim import Optimizer
 
 from ..codec import QTensor
 from ..codec import rng
-from ..config import QConfig, StatePlan, WeightsConfig, load_config
+from ..config import QConfig, StatePlan, load_config
 from . import checkpoint
+from . import weights as wts
 
 #: rng stream per quantized state (stochastic rounding of states); params use rng.STREAM_PARAM
-_STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AVG_SQ}
+_STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AVG_SQ,
+                  "compensation": rng.STREAM_COMPENSATION}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +33,17 @@ class StateSpec:
 
     Attributes:
         key: the key in ``optimizer.state[p]`` (torch.optim's name, e.g. ``momentum_buffer``).
-        section: the qconfig state section that decides its codec (``exp_avg``/``exp_avg_sq``), or
+        section: the qconfig state section that decides its codec (``exp_avg``/``exp_avg_sq``),
+            ``"compensation"`` for the Kahan buffer (codec from ``weights.compensation_codec``), or
             None for states that are never quantized (factored row/column statistics).
         shape: the state's shape (the parameter's, except for factored statistics).
+        dtype: storage dtype when not quantized (fp32; the parameter's dtype for the Kahan buffer).
     """
 
     key: str
     section: str | None
     shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32  # storage when not quantized
 
 
 class QOptimizer(Optimizer):
@@ -54,6 +59,10 @@ class QOptimizer(Optimizer):
             True = native kernel or a clear error; False = reference path.
         seed: seed of the counter-based RNG used for stochastic rounding (states and weights);
             None takes ``torch.initial_seed()``. Saved in the state dict.
+        bf16_stochastic_round: round updates into bf16 parameters stochastically (torchao's flag;
+            the qconfig's ``weights.rounding`` does the same per parameter, for bf16 and fp16).
+        compensation: ``"kahan"`` keeps a compensation buffer for every bf16/fp16 parameter,
+            ``"none"`` for none; None (default) follows the qconfig's ``weights.compensation``.
     """
 
     #: rule identifier passed to the native kernels (set by subclasses)
@@ -68,7 +77,14 @@ class QOptimizer(Optimizer):
     torch_group_defaults: dict[str, Any] = {}
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, qconfig: Any = None,
-                 fused: bool | None = None, seed: int | None = None) -> None:
+                 fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
+                 compensation: str | None = None) -> None:
+        if compensation not in (None, "none", "kahan"):
+            raise ValueError(f"compensation must be None, 'none' or 'kahan', got {compensation!r}")
+        if not isinstance(bf16_stochastic_round, bool):
+            raise ValueError(f"bf16_stochastic_round must be True or False, got {bf16_stochastic_round!r}")
+        self._bf16_sr = bf16_stochastic_round
+        self._compensation = compensation
         self.qconfig: QConfig = load_config(qconfig if qconfig is not None else {})
         self._seed = int(torch.initial_seed() if seed is None else seed) & rng.MASK64
         self._enable_overrides: dict[int, bool] = {}
@@ -131,14 +147,19 @@ class QOptimizer(Optimizer):
         plan = self._plans.get(index)
         if plan is None:
             name, p, _ = self._named_params()[index]
-            plan = self.qconfig.plan(name, tuple(p.shape), force_enable=self._enable_overrides.get(index))
-            if plan.weights != WeightsConfig():
-                raise NotImplementedError(
-                    f"{self._describe(index)}: weights.rounding={plan.weights.rounding!r} / weights.compensation="
-                    f"{plan.weights.compensation!r} is not implemented by the optimizers yet; use the defaults "
-                    "(rounding: nearest, compensation: none)")
+            plan = self._resolve_plan(name, p, self._enable_overrides.get(index))
             self._plans[index] = plan
         return plan
+
+    def _resolve_plan(self, name: str, p: torch.Tensor, force_enable: bool | None) -> StatePlan:
+        """The qconfig's plan for ``p`` with this optimizer's weights arguments applied."""
+        plan = self.qconfig.plan(name, tuple(p.shape), force_enable=force_enable)
+        weights = plan.weights
+        if self._bf16_sr and p.dtype == torch.bfloat16:
+            weights = dataclasses.replace(weights, rounding="stochastic")
+        if self._compensation is not None:
+            weights = dataclasses.replace(weights, compensation=self._compensation)
+        return plan if weights == plan.weights else dataclasses.replace(plan, weights=weights)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         """The states this rule keeps for ``p`` under ``group``'s hyperparameters."""
@@ -154,17 +175,26 @@ class QOptimizer(Optimizer):
         """
         raise NotImplementedError
 
+    def _specs(self, group: dict[str, Any], p: torch.Tensor, plan: StatePlan) -> list[StateSpec]:
+        """The rule's states of ``p`` plus the Kahan buffer when its weights are compensated."""
+        specs = self._state_specs(group, p)
+        if p.dtype in wts.LOW_PRECISION and plan.weights.compensation == "kahan":
+            specs.append(StateSpec("kahan_comp", "compensation", tuple(p.shape), p.dtype))
+        return specs
+
     def fp32_state_count(self, group: dict[str, Any]) -> int:
         """How many fp32 param-shaped states torch.optim keeps for this rule (memory_report)."""
         return len({spec.section for spec in self._state_specs(group, _META_PARAM) if spec.section})
 
     def _codec_for(self, plan: StatePlan, spec: StateSpec):
+        if spec.section == "compensation":
+            return plan.weights.codec()
         return plan.codec(spec.section) if spec.section is not None else None
 
     def _new_state_value(self, spec: StateSpec, plan: StatePlan, device: torch.device):
         codec = self._codec_for(plan, spec)
         if codec is None:
-            return torch.zeros(spec.shape, dtype=torch.float32, device=device)
+            return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
         return QTensor.zeros(spec.shape, codec, device)
 
     def _ensure_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> frozenset[str]:
@@ -174,7 +204,7 @@ class QOptimizer(Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32)
         plan = self.plan(index)
         created = []
-        for spec in self._state_specs(group, p):
+        for spec in self._specs(group, p, plan):
             if state.get(spec.key) is None:
                 state[spec.key] = self._new_state_value(spec, plan, p.device)
                 created.append(spec.key)
@@ -207,11 +237,11 @@ class QOptimizer(Optimizer):
         if not state:
             return
         plan = self.plan(index)
-        for spec in self._state_specs(group, p):
+        for spec in self._specs(group, p, plan):
             value = state.get(spec.key)
             if value is None:
                 continue
-            state[spec.key] = _convert(value, self._codec_for(plan, spec))
+            state[spec.key] = _convert(value, self._codec_for(plan, spec), spec.dtype)
         self._layout_version += 1
 
     # -- step ------------------------------------------------------------------------------------
@@ -248,7 +278,7 @@ class QOptimizer(Optimizer):
 
             index = self._param_index()
             problems = [f"{self._describe(index[id(p)])} has {r}" for p in group["params"]
-                        if (r := unfusable_reason(p)) is not None]
+                        if (r := unfusable_reason(p) or self._weights_unfused(p, index[id(p)])) is not None]
             if problems and self._fused:
                 raise RuntimeError(f"{type(self).__name__}(fused=True) cannot fuse: " + "; ".join(problems))
             if problems:
@@ -257,6 +287,12 @@ class QOptimizer(Optimizer):
             cached = (key, not problems)
             self._fusable_cache[id(group)] = cached
         return cached[1]
+
+    def _weights_unfused(self, p: torch.Tensor, index: int) -> str | None:
+        w = self.plan(index).weights
+        if p.dtype in wts.LOW_PRECISION and (w.rounding != "nearest" or w.compensation != "none"):
+            return f"weights rounding {w.rounding!r} / compensation {w.compensation!r} (not in the fused kernel yet)"
+        return None
 
     def _spec_signature(self, group: dict[str, Any]) -> tuple:
         """The group hyperparameters that decide which states exist (cached plans depend on it)."""
@@ -278,6 +314,7 @@ class QOptimizer(Optimizer):
             v = state[spec.key]
             values[spec.key] = v.decode() if isinstance(v, QTensor) else v  # fp32 states update in place
         p32 = p if p.dtype == torch.float32 else p.float()
+        p_old = p.float() if "kahan_comp" in state else None
         grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
         self._update(p32, grad, values, step, group, new)
         for spec in specs:
@@ -286,7 +323,25 @@ class QOptimizer(Optimizer):
                 noise = self._noise(old.codec, step, index, spec, p.device)
                 state[spec.key] = old.codec.encode(values[spec.key], noise=noise)
         if p32 is not p:
-            p.copy_(p32)
+            p.copy_(self._write_param(p, p32, p_old, index, step, plan))
+
+    def _write_param(self, p: torch.Tensor, p32: torch.Tensor, p_old: torch.Tensor | None, index: int, step: int,
+                     plan: StatePlan) -> torch.Tensor:
+        """The new low-precision parameter values: nearest, stochastic or Kahan-compensated."""
+        stochastic = plan.weights.rounding == "stochastic"
+        bits = wts.param_bits(self._seed, step, index, p.numel(), p.device) if stochastic else None
+        if p_old is None:
+            return wts.round_param(p32, p.dtype, stochastic, bits)
+        state = self.state[p]
+        comp = state["kahan_comp"]
+        comp32 = comp.decode() if isinstance(comp, QTensor) else comp.float()
+        new_p, new_comp = wts.kahan_update(p_old, p32, comp32, p.dtype, stochastic, bits)
+        if isinstance(comp, QTensor):
+            spec = StateSpec("kahan_comp", "compensation", tuple(p.shape), p.dtype)
+            state["kahan_comp"] = comp.codec.encode(new_comp, noise=self._noise(comp.codec, step, index, spec, p.device))
+        else:
+            comp.copy_(wts.round_param(new_comp, comp.dtype, False, None))
+        return new_p
 
     def _noise(self, codec, step: int, index: int, spec: StateSpec, device: torch.device) -> torch.Tensor | None:
         """Counter-based uniforms for stochastic rounding of one state (None for nearest)."""
@@ -340,14 +395,14 @@ class QOptimizer(Optimizer):
 _META_PARAM = torch.empty(2, device="meta")  # 1-D stand-in: no factoring, one spec per torch.optim state
 
 
-def _convert(value: Any, codec) -> Any:
-    """Re-express one state value (fp32 tensor or QTensor) under ``codec`` (None = fp32)."""
+def _convert(value: Any, codec, dtype: torch.dtype = torch.float32) -> Any:
+    """Re-express one state value (tensor or QTensor) under ``codec`` (None = a ``dtype`` tensor)."""
     if isinstance(value, QTensor):
         if value.codec == codec:
             return value
         value = value.decode()
     if codec is None:
-        return value.to(torch.float32)
+        return value.to(dtype)
     return codec.encode(value)
 
 

@@ -97,7 +97,7 @@ def _parse(opt: "QOptimizer", sd: Any) -> Loaded:
         where = f"parameter {index} ({name!r})" if name else f"parameter {index}"
         if not isinstance(entry, Mapping):
             _fail(f"{where}: state must be a dict, got {type(entry).__name__}")
-        plan = opt.qconfig.plan(name, tuple(p.shape), force_enable=overrides.get(index))
+        plan = opt._resolve_plan(name, p, overrides.get(index))
         states[index] = _parse_entry(opt, where, p, entry, plan, group_of_index[index], torch_format=qsec is None)
     return Loaded(states, group_hyper, overrides, seed)
 
@@ -188,7 +188,7 @@ def _parse_entry(opt: "QOptimizer", where: str, p: torch.Tensor, entry: Mapping[
         _fail(f"{where}: key 'step' must be a non-negative whole number, got {step!r}")
     out["step"] = torch.tensor(float(step), dtype=torch.float32)
 
-    specs = opt._state_specs(group, p)
+    specs = opt._specs(group, p, plan)
     known = {s.key for s in specs} | {"step"}
     for key, value in entry.items():
         if key not in known and value is not None:
@@ -207,7 +207,7 @@ def _parse_entry(opt: "QOptimizer", where: str, p: torch.Tensor, entry: Mapping[
             value = _as_qtensor(where, spec.key, value, spec.shape, p.device)
         else:
             value = _as_tensor_state(where, spec.key, value, spec.shape, p.device)
-        out[spec.key] = _convert(value, opt._codec_for(plan, spec))
+        out[spec.key] = _convert(value, opt._codec_for(plan, spec), spec.dtype)
     return out
 
 
@@ -230,7 +230,7 @@ def export_torch_state_dict(opt: "QOptimizer") -> dict[str, Any]:
                 if opt.requires_step:
                     out["step"] = value.clone()
                 continue
-            if key in ("exp_avg_sq_row", "exp_avg_sq_col"):
+            if key in ("exp_avg_sq_row", "exp_avg_sq_col", "kahan_comp"):  # no torch.optim counterpart
                 continue
             out[key] = value.to(p.dtype).clone()
         if "exp_avg_sq_row" in entry:

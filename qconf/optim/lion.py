@@ -26,10 +26,12 @@ class Lion(QOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, qconfig: Any = None,
-                 fused: bool | None = None, seed: int | None = None) -> None:
+                 fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
+                 compensation: str | None = None) -> None:
         betas = check_adam_like(lr, betas, None, weight_decay)
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
-        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed)
+        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
+                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         return [StateSpec("exp_avg", "exp_avg", tuple(p.shape))]

@@ -33,7 +33,8 @@ class SGD(QOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: float = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, qconfig: Any = None,
-                 fused: bool | None = None, seed: int | None = None) -> None:
+                 fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
+                 compensation: str | None = None) -> None:
         check_lr(lr)
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
@@ -45,7 +46,8 @@ class SGD(QOptimizer):
         del foreach
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov, "maximize": maximize}
-        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed)
+        super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
+                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         if group["momentum"] == 0:
