@@ -26,7 +26,11 @@ def _extensions():
                  and os.environ.get("QCONF_NO_CUDA") != "1")
     if with_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DQCONF_WITH_CUDA"]
+        # --fmad=false: no contraction on the GPU either (bit-identical to the CPU kernels and the
+        # reference), and none in the host code of the .cu files (the shared Scalars setup);
+        # sm_80 and sm_90 binaries (torch adds no arch flags when -gencode is given)
+        nvcc = ["-O3", "-std=c++17", "--fmad=false", "-DQCONF_WITH_CUDA", "-Xcompiler", "-ffp-contract=off",
+                "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
         ext = CUDAExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"],
                             extra_compile_args={"cxx": cxx + ["-DQCONF_WITH_CUDA"], "nvcc": nvcc})
     else:

@@ -30,6 +30,12 @@ struct StepPlan : torch::CustomClassHolder {
       : rule(rule_), params(std::move(params_)), steps(std::move(steps_)), states(std::move(states_)),
         meta(std::move(meta_)), tables(std::move(tables_)) {}
   void run(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper, int64_t seed) {
+#ifdef QCONF_WITH_CUDA
+    if (!params.empty() && params[0].is_cuda()) {
+      qconf::fused_step_cuda(rule, params, grads, steps, states, meta, tables, hyper, seed);
+      return;
+    }
+#endif
     qconf::fused_step_cpu(rule, params, grads, steps, states, meta, tables, hyper, seed);
   }
 };
@@ -48,6 +54,10 @@ TORCH_LIBRARY(qconf, m) {
 }
 
 TORCH_LIBRARY_IMPL(qconf, CPU, m) { m.impl("fused_step", &qconf::fused_step_cpu); }
+
+#ifdef QCONF_WITH_CUDA
+TORCH_LIBRARY_IMPL(qconf, CUDA, m) { m.impl("fused_step", &qconf::fused_step_cuda); }
+#endif
 
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "qconf native kernels", -1, nullptr};

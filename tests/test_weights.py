@@ -105,7 +105,7 @@ def test_kahan_update_carries_the_rounding_residual():
     assert (p != p_old.to(torch.bfloat16)).all()  # the small updates did arrive
 
 
-def _train_digits(dtype, steps=600, lr=1e-4, seeds=(0, 1, 2), fused=False, **kw):
+def _train_digits(dtype, steps=600, lr=1e-4, seeds=(0, 1, 2), fused=True, **kw):
     task = digits_task()
     _, _, xe, ye = _data()
     out = []
@@ -199,6 +199,8 @@ def test_weights_arguments_are_validated():
         qconf.load_config({"weights": {"rounding": "sr"}})
     with pytest.raises(qconf.QConfigError, match="weights.compensation_codec.scale"):
         qconf.load_config({"weights": {"compensation_codec": {"scale": "rank1"}}})
+    with pytest.raises(qconf.QConfigError, match=r"weights.compensation_codec.group_size.*1..16384"):
+        qconf.load_config({"weights": {"compensation_codec": {"group_size": 20000}}})
 
 
 def test_checkpoint_with_compensation_resumes_bit_exactly():

@@ -182,7 +182,7 @@ class Spec:
             else:
                 text = f"integer >= {self.lo}"
         elif self.kind == "codec":
-            text = f"a mapping with keys {', '.join(CODEC_FIELDS)} (scale group or dim0)"
+            text = f"a mapping with keys {', '.join(CODEC_FIELDS)} (scale group)"
         else:
             text = ", ".join(self.choices)
         return text + (" or null" if self.nullable else "")
@@ -238,6 +238,7 @@ OVERRIDE_STATE_FIELDS: Mapping[str, Spec] = FrozenDict(
 #: Fields of a codec section without a state's enable/threshold (the Kahan buffer's codec).
 CODEC_FIELDS: Mapping[str, Spec] = FrozenDict(
     {k: v for k, v in STATE_FIELDS.items() if k not in ("enable", "min_numel")})
+MAX_COMPENSATION_GROUP = 16384  # the kernels quantize the buffer within one tile (csrc/cpu/step.cpp)
 #: Defaults of ``weights.compensation_codec`` fields the user leaves out: 8-bit signed blockwise.
 COMPENSATION_CODEC_DEFAULTS: Mapping[str, Any] = FrozenDict(
     bits=8, map="nonlinear", signed=True, scale="group", group_size=128, rounding="nearest")
@@ -252,7 +253,7 @@ WEIGHTS_FIELDS: Mapping[str, Spec] = FrozenDict({
 def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
     """Validate a codec section (``weights.compensation_codec``); return it complete (defaults
     filled in) as a FrozenDict, or ``_BAD``. The Kahan buffer is quantized block by block in the
-    same pass as the parameter, so only block scales (group, dim0) are allowed."""
+    same pass as the parameter, so only group scales with blocks that fit a kernel tile are allowed."""
     if not isinstance(raw, Mapping):
         rep.add(path, raw, f"expected a mapping of codec fields, got {kind(raw)} {fmt(raw)}",
                 Spec("codec", nullable=True).allowed())
@@ -266,9 +267,13 @@ def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
     if combo:
         rep.add(path, dict(raw), combo, "bits >= 2 for a signed linear map")
         return _BAD
-    if merged["scale"] not in ("group", "dim0"):
+    if merged["scale"] != "group":
         rep.add(join(path, "scale"), merged["scale"], f"{fmt(merged['scale'])} is not supported for the "
-                "compensation buffer (it is quantized block by block with the parameter)", "group, dim0")
+                "compensation buffer (it is quantized block by block in the same pass as the parameter)", "group")
+        return _BAD
+    if merged["group_size"] > MAX_COMPENSATION_GROUP:
+        rep.add(join(path, "group_size"), merged["group_size"], f"{merged['group_size']} is too large for the "
+                "compensation buffer (a block must fit one kernel tile)", f"integer 1..{MAX_COMPENSATION_GROUP}")
         return _BAD
     return FrozenDict(merged)
 #: Rules for the scalar top-level keys.

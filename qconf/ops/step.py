@@ -25,10 +25,12 @@ if TYPE_CHECKING:  # pragma: no cover
 # layout constants shared with csrc/include/qconf/step_driver.h
 COL_INDEX, COL_FIRST, COL_FACTORED, COL_NDIM, COL_SHAPE, COL_STATE = 0, 1, 2, 3, 4, 12
 STATE_COLS = 9
-META_COLS = COL_STATE + 2 * STATE_COLS
-STATE_SLOTS = 6
+COL_WEIGHTS = COL_STATE + 2 * STATE_COLS  # bit 0: stochastic rounding, bit 1: Kahan
+COL_COMP = COL_WEIGHTS + 1                # the Kahan buffer, described like a state
+META_COLS = COL_COMP + STATE_COLS
+STATE_SLOTS = 8
 TABLE_ROWS, TABLE_SIZE = 7, 256
-KIND_NONE, KIND_FP32, KIND_QUANT = 0, 1, 2
+KIND_NONE, KIND_FP32, KIND_QUANT, KIND_PARAM_DTYPE = 0, 1, 2, 3
 SCALE_BLOCK, SCALE_DIM1, SCALE_RANK1 = 0, 1, 2
 RULES = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2}
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,12 +85,18 @@ def scale_layout(codec: Codec, shape: tuple[int, ...]) -> tuple[int, int, int, i
     return SCALE_RANK1, 0, 0, 0
 
 
+def _has_cuda_kernels() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("qconf::fused_step", "CUDA")
+
+
 def unfusable_reason(p: torch.Tensor) -> str | None:
     """Why parameter ``p`` cannot take the fused step (None if it can)."""
     if p.dtype not in FUSED_DTYPES:
         return f"dtype {p.dtype} (fused kernels take float32, bfloat16, float16)"
-    if p.device.type != "cpu":
-        return f"device {p.device} (this build has CPU kernels only)"
+    if p.device.type == "cuda" and not _has_cuda_kernels():
+        return f"device {p.device} (this build of qconf has no CUDA kernels; rebuild with nvcc and a CUDA torch)"
+    if p.device.type not in ("cpu", "cuda"):
+        return f"device {p.device} (fused kernels run on CPU and CUDA)"
     if p.dim() > 8:
         return f"{p.dim()} dimensions (at most 8)"
     if not p.is_contiguous():
@@ -123,19 +131,13 @@ class _GroupPlan:
                     slots[4 if spec.key.endswith("row") else 5] = st[spec.key]
                     continue
                 k = 0 if spec is specs[0] else 1
-                value = st[spec.key]
-                base = COL_STATE + k * STATE_COLS
-                if isinstance(value, QTensor):
-                    c = value.codec
-                    table = tables.setdefault(c, len(tables))
-                    kind, block, d1, inner = scale_layout(c, tuple(p.shape))
-                    m[base:base + STATE_COLS] = torch.tensor(
-                        [KIND_QUANT, table, c.bits, c.qmap.numel(), kind, block, d1, inner,
-                         int(c.rounding == "stochastic")], dtype=torch.int64)
-                    slots[2 * k], slots[2 * k + 1] = value.codes, value.scales
-                else:
-                    m[base] = KIND_FP32
-                    slots[2 * k] = value
+                self._describe_state(m, COL_STATE + k * STATE_COLS, st[spec.key], p, tables, slots, 2 * k,
+                                     KIND_FP32)
+            weights = opt.plan(i).weights
+            if p.dtype != torch.float32:  # fp32 parameters take the fp32 result as is
+                m[COL_WEIGHTS] = int(weights.rounding == "stochastic") | (int("kahan_comp" in st) << 1)
+                if "kahan_comp" in st:
+                    self._describe_state(m, COL_COMP, st["kahan_comp"], p, tables, slots, 6, KIND_PARAM_DTYPE)
             if spec_first(opt, new.get(i, frozenset())):
                 m[COL_FIRST] = 1
                 self.one_shot = True  # the first-step flag holds for this step only
@@ -146,6 +148,23 @@ class _GroupPlan:
         self.params, self.steps, self.states, self.meta = params, steps, states, meta
         self.rule = RULES[opt.rule_name]
         self.cpp = torch.classes.qconf.StepPlan(self.rule, params, steps, states, meta, self.tables)
+
+    @staticmethod
+    def _describe_state(m: torch.Tensor, base: int, value: Any, p: torch.Tensor, tables: dict[Codec, int],
+                        slots: list[torch.Tensor], slot: int, dense_kind: int) -> None:
+        """Meta columns ``m[base:base+STATE_COLS]`` and tensor slots of one state: a QTensor
+        (kind, table, bits, levels, scale kind, block, d1, inner, stochastic) or a dense tensor."""
+        if isinstance(value, QTensor):
+            c = value.codec
+            table = tables.setdefault(c, len(tables))
+            kind, block, d1, inner = scale_layout(c, tuple(p.shape))
+            m[base:base + STATE_COLS] = torch.tensor(
+                [KIND_QUANT, table, c.bits, c.qmap.numel(), kind, block, d1, inner,
+                 int(c.rounding == "stochastic")], dtype=torch.int64)
+            slots[slot], slots[slot + 1] = value.codes, value.scales
+        else:
+            m[base] = dense_kind
+            slots[slot] = value
 
     def run(self, grads: list[torch.Tensor], hyper: list[float], seed: int) -> None:
         if torch.compiler.is_compiling():

@@ -278,7 +278,7 @@ class QOptimizer(Optimizer):
 
             index = self._param_index()
             problems = [f"{self._describe(index[id(p)])} has {r}" for p in group["params"]
-                        if (r := unfusable_reason(p) or self._weights_unfused(p, index[id(p)])) is not None]
+                        if (r := unfusable_reason(p)) is not None]
             if problems and self._fused:
                 raise RuntimeError(f"{type(self).__name__}(fused=True) cannot fuse: " + "; ".join(problems))
             if problems:
@@ -287,12 +287,6 @@ class QOptimizer(Optimizer):
             cached = (key, not problems)
             self._fusable_cache[id(group)] = cached
         return cached[1]
-
-    def _weights_unfused(self, p: torch.Tensor, index: int) -> str | None:
-        w = self.plan(index).weights
-        if p.dtype in wts.LOW_PRECISION and (w.rounding != "nearest" or w.compensation != "none"):
-            return f"weights rounding {w.rounding!r} / compensation {w.compensation!r} (not in the fused kernel yet)"
-        return None
 
     def _spec_signature(self, group: dict[str, Any]) -> tuple:
         """The group hyperparameters that decide which states exist (cached plans depend on it)."""

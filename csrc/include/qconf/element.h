@@ -83,6 +83,34 @@ QCONF_HD uint16_t f32_to_f16_rne(float x) {
   return static_cast<uint16_t>(sign | (r >> 13));
 }
 
+// Stochastic rounding into low-precision parameters (qconf/optim/weights.py). NaN and +-Inf pass
+// through, a finite value never becomes infinite (it saturates at the largest finite value).
+// bf16: add 16 random bits to the fp32 pattern and truncate (uint32 arithmetic, no overflow:
+// the largest pattern 0xFF7FFFFF + 0xFFFF < 2^32).
+QCONF_HD uint16_t f32_to_bf16_sr(float x, uint32_t r16) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7f800000u) == 0x7f800000u)
+    return static_cast<uint16_t>((u >> 16) | ((u & 0x7fffffffu) > 0x7f800000u ? 0x40u : 0u));
+  uint32_t v = (u + r16) & 0xffff0000u;
+  if ((v & 0x7f800000u) == 0x7f800000u) v = (u & 0x80000000u) | 0x7f7f0000u;
+  return static_cast<uint16_t>(v >> 16);
+}
+
+// fp16: the neighbour away from zero with probability (|x| - |lo|) / ulp, lo = x truncated
+// toward zero; all differences are exact in fp32.
+QCONF_HD uint16_t f32_to_f16_sr(float x, float u) {
+  const uint16_t h = f32_to_f16_rne(x);
+  if ((f32_bits(x) & 0x7f800000u) == 0x7f800000u) return h;  // NaN / Inf
+  const uint16_t sign = h & 0x8000u, mag = h & 0x7fffu;
+  const float ax = bits_f32(f32_bits(x) & 0x7fffffffu);
+  const uint16_t lo = f16_to_f32(mag) > ax ? static_cast<uint16_t>(mag - 1) : mag;
+  const float lo_v = f16_to_f32(lo);
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);
+  if (lo_v == ax || hi >= 0x7c00u) return static_cast<uint16_t>(sign | lo);
+  const float p_up = (ax - lo_v) / (f16_to_f32(hi) - lo_v);
+  return static_cast<uint16_t>(sign | (u < p_up ? hi : lo));
+}
+
 // ---------------------------------------------------------------------------------------------
 // counter-based random numbers (qconf/codec/rng.py)
 QCONF_HD uint64_t splitmix64(uint64_t x) {
@@ -123,6 +151,26 @@ QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) {
 
 // Uniform in [0, 1) with 24-bit resolution (exact in fp32).
 QCONF_HD float uniform01(uint32_t bits) { return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f; }
+
+// ---------------------------------------------------------------------------------------------
+// Writing an fp32 result into a bf16 / fp16 parameter (qconf/optim/weights.py); `h` is the
+// element's 32 random bits of the parameter stream (bf16 SR uses the top 16, fp16 SR a uniform).
+QCONF_HD float half_to_f32(uint16_t v, bool bf16) { return bf16 ? bf16_to_f32(v) : f16_to_f32(v); }
+
+QCONF_HD uint16_t round_half(float x, bool bf16, bool sr, uint32_t h) {
+  if (bf16) return sr ? f32_to_bf16_sr(x, h >> 16) : f32_to_bf16_rne(x);
+  return sr ? f32_to_f16_sr(x, uniform01(h)) : f32_to_f16_rne(x);
+}
+
+// Kahan-compensated write: c1 = c + (p_new - p_old); p = round(p_old + c1); c = c1 + (p_old - p),
+// so `comp` keeps the part of the update that rounding dropped. Returns the new parameter bits.
+QCONF_HD uint16_t kahan_write(float p_new, uint16_t p_old_bits, float& comp, bool bf16, bool sr, uint32_t h) {
+  const float po = half_to_f32(p_old_bits, bf16);
+  const float c1 = comp + (p_new - po);
+  const uint16_t r = round_half(po + c1, bf16, sr, h);
+  comp = c1 + (po - half_to_f32(r, bf16));
+  return r;
+}
 
 // ---------------------------------------------------------------------------------------------
 // scales

@@ -115,6 +115,7 @@ struct Isa {
     const __m512i r = _mm512_mask_mov_epi32(rounded, isnan(x), nan);
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
   }
+  static void store_u16(uint16_t* p, I x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(x.v)); }
   static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static void store_f16(uint16_t* p, F x) {
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -232,6 +233,10 @@ struct Isa {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
   }
+  static void store_u16(uint16_t* p, I x) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x.v, x.v), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+  }
   static F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static void store_f16(uint16_t* p, F x) {
     _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -286,6 +291,7 @@ struct Isa {
   static F lookup256(T256 t, I idx) { return t[idx]; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16_rne(x); }
+  static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static void store_f16(uint16_t* p, F x) { *p = f32_to_f16_rne(x); }
   static constexpr bool kFastPack = false;

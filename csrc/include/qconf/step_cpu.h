@@ -280,23 +280,25 @@ inline I search_stochastic(const CodecDesc& c, const SearchTables& tb, F n, F u)
   return Isa::select_i(nan, I(0u), code);
 }
 
-// uniforms for elements first .. first+W-1 of the state's stream
-inline F uniforms(StreamKey k, uint64_t first) {
+// the 32 random bits of elements first .. first+W-1 of a stream
+inline I hash_vec(StreamKey k, uint64_t first) {
   if constexpr (W == 1) {
-    return uniform01(hash_bits(k, first));
+    return hash_bits(k, first);
   } else {
     const uint32_t lo = static_cast<uint32_t>(first);
     if (lo > 0xFFFFFFFFu - (W - 1)) {  // the lanes cross a 2^32 boundary: per-lane scalar
-      alignas(64) float tmp[W];
-      for (int j = 0; j < W; ++j) tmp[j] = uniform01(hash_bits(k, first + j));
-      return Isa::load(tmp);
+      alignas(64) uint32_t tmp[W];
+      for (int j = 0; j < W; ++j) tmp[j] = hash_bits(k, first + j);
+      return Isa::load_i(tmp);
     }
     const I idx = Isa::iota() + I(lo);
     const I h = mix32<I>(idx ^ I(k.k0));
-    const I h2 = mix32<I>(h ^ I(static_cast<uint32_t>(first >> 32) + k.k1));
-    return Isa::to_float(h2 >> 8) * F(5.9604644775390625e-08f);
+    return mix32<I>(h ^ I(static_cast<uint32_t>(first >> 32) + k.k1));
   }
 }
+
+// uniforms in [0, 1) for elements first .. first+W-1 of a stream
+inline F uniforms(StreamKey k, uint64_t first) { return Isa::to_float(hash_vec(k, first) >> 8) * F(5.9604644775390625e-08f); }
 
 // Quantize x[0..len) (elements start+off .. of the tensor) with reciprocal r (const or per element).
 inline void quantize_run(const StateDesc& st, const SearchTables& tb, const float* x, int64_t len,
@@ -604,6 +606,13 @@ inline void fill_per_element(const CodecDesc& c, const TensorDesc& t, const floa
                      });
 }
 
+// a <= b (Le) or a < b -- a function, not a lambda: GCC does not apply #pragma GCC target to lambdas
+template <bool Le>
+inline Isa::M cmp_le_lt(F a, F b) {
+  if constexpr (Le) return Isa::le(a, b);
+  else return Isa::lt(a, b);
+}
+
 // 16-entry register tables shifted by the binary-search step: probe(c, s) = table[c + s - 1]
 // becomes a plain permute of table_s at c (no index add)
 struct Probe16 {
@@ -623,11 +632,10 @@ struct Probe16 {
   // #{k < 16 : table[k] < x} (Le=false) or <= x (Le=true) for sorted, +inf padded tables
   template <bool Le>
   I count(F x) const {
-    auto cmp = [](F a, F b) { return Le ? Isa::le(a, b) : Isa::lt(a, b); };
-    I c = Isa::select_i(cmp(F(first), x), I(8u), I(0u));
-    c = Isa::add_if(cmp(Isa::lookup16(t4, c), x), c, I(4u));
-    c = Isa::add_if(cmp(Isa::lookup16(t2, c), x), c, I(2u));
-    return Isa::add_if(cmp(Isa::lookup16(t1, c), x), c, I(1u));
+    I c = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(8u), I(0u));
+    c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t4, c), x), c, I(4u));
+    c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t2, c), x), c, I(2u));
+    return Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t1, c), x), c, I(1u));
   }
 };
 
@@ -635,11 +643,10 @@ struct Probe16 {
 template <bool Le>
 inline I count256(const Probe16& coarse, const float* table, F x) {
   I c = coarse.count<Le>(x) << 4;
-  auto cmp = [](F a, F b) { return Le ? Isa::le(a, b) : Isa::lt(a, b); };
-  c = Isa::add_if(cmp(Isa::gather(table + 7, c), x), c, I(8u));
-  c = Isa::add_if(cmp(Isa::gather(table + 3, c), x), c, I(4u));
-  c = Isa::add_if(cmp(Isa::gather(table + 1, c), x), c, I(2u));
-  return Isa::add_if(cmp(Isa::gather(table, c), x), c, I(1u));
+  c = Isa::add_if(cmp_le_lt<Le>(Isa::gather(table + 7, c), x), c, I(8u));
+  c = Isa::add_if(cmp_le_lt<Le>(Isa::gather(table + 3, c), x), c, I(4u));
+  c = Isa::add_if(cmp_le_lt<Le>(Isa::gather(table + 1, c), x), c, I(2u));
+  return Isa::add_if(cmp_le_lt<Le>(Isa::gather(table, c), x), c, I(1u));
 }
 
 // #{k : table[k] (<|<=) x} over a 256-entry sorted table with register tables only: a binary
@@ -656,11 +663,10 @@ struct Search256 {
   }
   template <bool Le>
   I count(F x) const {
-    auto cmp = [](F a, F b) { return Le ? Isa::le(a, b) : Isa::lt(a, b); };
-    I b = Isa::select_i(cmp(F(first), x), I(16u), I(0u));
-    for (uint32_t s = 8; s > 0; s >>= 1) b = Isa::add_if(cmp(Isa::lookup32(coarse, b + I(s - 1)), x), b, I(s));
+    I b = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(16u), I(0u));
+    for (uint32_t s = 8; s > 0; s >>= 1) b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse, b + I(s - 1)), x), b, I(s));
     I c = b << 3;
-    for (int j = 0; j < 7; ++j) c = Isa::add_if(cmp(Isa::lookup32(cols[j], b), x), c, I(1u));
+    for (int j = 0; j < 7; ++j) c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(cols[j], b), x), c, I(1u));
     return c;
   }
 };
@@ -762,6 +768,67 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
   return c.bits;  // kIOQ4 / kIOQ8
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Writing the new fp32 parameter into a bf16/fp16 parameter (final pass; qconf/optim/weights.py):
+// nearest, stochastic rounding, and/or Kahan compensation with the buffer t.comp.
+
+// bf16 pattern (low 16 bits of the lanes) of x, round to nearest even, NaN quiet
+inline I bf16_rne_bits(F x) {
+  const I u = Isa::bits(x);
+  const I rounded = (u + I(0x7fffu) + ((u >> 16) & I(1u))) >> 16;
+  return Isa::select_i(Isa::isnan(x), (u >> 16) | I(0x40u), rounded);
+}
+
+// bf16 stochastic rounding of x with the random bits h (the top 16 bits are used)
+inline I bf16_sr_bits(F x, I h) {
+  const I u = Isa::bits(x);
+  const I exp_mask(0x7f800000u);
+  const auto nonfinite = Isa::eq_i(u & exp_mask, exp_mask);
+  I v = (u + (h >> 16)) & I(0xffff0000u);
+  v = Isa::select_i(Isa::eq_i(v & exp_mask, exp_mask), (u & I(0x80000000u)) | I(0x7f7f0000u), v);
+  const I special = (u >> 16) | Isa::select_i(Isa::isnan(x), I(0x40u), I(0u));
+  return Isa::select_i(nonfinite, special, v >> 16);
+}
+
+inline void write_params(TensorDesc& t, int64_t start, int64_t n, const float* p, Buffers& b) {
+  uint16_t* dst = static_cast<uint16_t*>(t.param) + start;
+  const bool sr = t.w_stochastic != 0, kahan = t.w_kahan != 0;
+  float* comp = b.vhat;  // free after the main loop
+  const StateDesc& cs = t.comp;
+  if (kahan) {
+    if (cs.kind == kQuant) dequantize(cs, t, start, n, comp, b.codes);
+    else load_as_f32(cs.values16, t.pdtype, start, n, comp);
+  }
+  int64_t i = 0;
+  if constexpr (W > 1) {
+    if (t.pdtype == kBF16) {
+      for (; i + W <= n; i += W) {
+        const F pn = Isa::load(p + i);
+        if (!kahan) {
+          Isa::store_u16(dst + i, sr ? bf16_sr_bits(pn, hash_vec(t.pkey, start + i)) : bf16_rne_bits(pn));
+          continue;
+        }
+        const F po = Isa::load_bf16(dst + i);  // the old parameter is still in memory
+        const F c1 = Isa::load(comp + i) + (pn - po);
+        const F target = po + c1;
+        const I r = sr ? bf16_sr_bits(target, hash_vec(t.pkey, start + i)) : bf16_rne_bits(target);
+        Isa::store(comp + i, c1 + (po - Isa::from_bits(r << 16)));
+        Isa::store_u16(dst + i, r);
+      }
+    }
+  }
+  const bool bf16 = t.pdtype == kBF16;
+  for (; i < n; ++i) {  // the element functions the CUDA kernel uses too (qconf/element.h)
+    const uint32_t h = sr ? hash_bits(t.pkey, start + i) : 0u;
+    dst[i] = kahan ? kahan_write(p[i], dst[i], comp[i], bf16, sr, h) : round_half(p[i], bf16, sr, h);
+  }
+  if (kahan) {
+    if (cs.kind == kQuant) quantize(cs, t, start, n, comp, b.codes);
+    else store_from_f32(cs.values16, t.pdtype, start, n, comp);
+  }
+}
+
 template <class Rule>
 inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase, int32_t tid, Buffers& b) {
   const bool final_pass = phase == kPassApply;
@@ -838,7 +905,10 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
                                 : quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
     else quantize(st, t, start, n, b.s[k], b.codes);
   }
-  if (t.pdtype != kF32) store_from_f32(t.param, t.pdtype, start, n, p);
+  if (t.pdtype != kF32) {
+    if (t.w_stochastic || t.w_kahan) write_params(t, start, n, p, b);
+    else store_from_f32(t.param, t.pdtype, start, n, p);
+  }
 }
 
 template <class Rule>

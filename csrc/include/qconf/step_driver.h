@@ -15,9 +15,13 @@ constexpr int kColNdim = 3;
 constexpr int kColShape = 4;     // 8 dims
 constexpr int kColState = 12;    // per state k: kColState + k * kStateCols + ...
 constexpr int kStateCols = 9;    // kind, table, bits, levels, scale_kind, block, d1, inner, stochastic
-constexpr int kMetaCols = kColState + 2 * kStateCols;
-// states: kStateSlots tensors per parameter: s0 (values|codes), s0 scales, s1, s1 scales, row, col
-constexpr int kStateSlots = 6;
+// how the new values reach a bf16/fp16 parameter: bit 0 stochastic rounding, bit 1 Kahan
+constexpr int kColWeights = kColState + 2 * kStateCols;
+constexpr int kColComp = kColWeights + 1;  // the Kahan buffer: kParamDtype, or kQuant (block scales)
+constexpr int kMetaCols = kColComp + kStateCols;
+// states: kStateSlots tensors per parameter: s0 (values|codes), s0 scales, s1, s1 scales, row, col,
+// Kahan buffer (values|codes), its scales
+constexpr int kStateSlots = 8;
 // tables: float32 [N, kTableRows, 256]: qmap, midpoints(+inf), qmap(+inf), coarse16 (16 mids,
 // 16 qmap), coarse32 (32 mids, 32 qmap), mids columns (7 x 32), qmap columns (7 x 32); see
 // qconf/ops/step.py codec_table
@@ -28,5 +32,13 @@ constexpr size_t kHyperLen = 10;
 void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
                     at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                     c10::ArrayRef<double> hyper, int64_t seed);
+
+#ifdef QCONF_WITH_CUDA
+// The same step for parameters, gradients and states on one CUDA device (csrc/cuda/step.cu);
+// `steps` and `meta` stay on the CPU, `tables` may be on the CPU or on that device.
+void fused_step_cuda(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
+                     at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
+                     c10::ArrayRef<double> hyper, int64_t seed);
+#endif
 
 }  // namespace qconf

@@ -9,7 +9,8 @@
 namespace qconf {
 
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-enum StateKind : int32_t { kNone = 0, kFp32 = 1, kQuant = 2 };
+// kParamDtype: stored as 16-bit values in the parameter's dtype (the Kahan buffer by default)
+enum StateKind : int32_t { kNone = 0, kFp32 = 1, kQuant = 2, kParamDtype = 3 };
 // How a quantized state's elements map to stored scales (after the rank fallbacks):
 //   kBlock: contiguous blocks of `block` elements (group, dim0 = rows, tensor = one block)
 //   kDim1:  element i uses scale ((i / inner) % d1)
@@ -41,6 +42,7 @@ struct StateDesc {
   int32_t kind = kNone;
   int32_t two_pass = 0;  // the new scales need the whole tensor first (two passes)
   float* values = nullptr;  // kFp32: numel floats
+  uint16_t* values16 = nullptr;  // kParamDtype: numel bf16/fp16 values
   uint8_t* codes = nullptr; // kQuant: packed codes
   float* scales = nullptr;  // kQuant: stored scales (old during the step)
   int64_t num_scales = 0;
@@ -62,6 +64,11 @@ struct TensorDesc {
   int32_t gdtype = kF32;
   StateDesc st[2];
   Scalars h{};
+  // how the new fp32 parameter is written to a bf16/fp16 parameter (qconf/optim/weights.py)
+  int32_t w_stochastic = 0;  // stochastic rounding, random bits from `pkey`
+  int32_t w_kahan = 0;       // Kahan compensation with the buffer `comp`
+  StreamKey pkey{0, 0};
+  StateDesc comp;            // kParamDtype or kQuant (group blocks within a tile)
   int64_t tile = 0;      // elements per work item (a multiple of 64, or whole rows when factored)
   int32_t two_pass = 0;  // some state needs pass 1
   // factored second moment (AdamRule only): fp32 statistics, updated between the passes
