@@ -2,6 +2,8 @@
 
     qconf validate FILE...                         check configs; one line per problem
     qconf show FILE [--model-shapes SPEC] [--json] the resolved config and per-parameter plan
+    qconf bench [--size big|many|both] [...]       optimizer-step benchmark tables (qconf.bench)
+    qconf compare CONFIG... [--task NAME] [...]    train a task under each config, compare (qconf.study)
 
 Subcommands are registered by the functions in :data:`COMMANDS` (each adds one subparser and
 sets ``func``), so new ones (``compare``, ``bench``) are one more entry.
@@ -185,11 +187,53 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------
+def _register_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench import add_arguments
+
+    p = sub.add_parser("bench", help="benchmark the optimizer step against torch/torchao/bitsandbytes",
+                       description="Time one AdamW step of qconf (fused and reference), torch.optim.AdamW "
+                                   "(for-loop, foreach, fused), torchao and bitsandbytes low-bit AdamW on the same "
+                                   "parameters and gradients, in interleaved rounds, and print one table per size: "
+                                   "ns/param, ratio to torch fused AdamW, state bytes/param, peak extra RSS during "
+                                   "step(). See docs/benchmarks.md.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import execute
+
+    return execute(args, "qconf bench")
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+# ---------------------------------------------------------------------------------------------
+def _register_compare(sub: argparse._SubParsersAction) -> None:
+    from .study.cli import DESCRIPTION, EPILOG, add_arguments, one_line_errors
+
+    p = sub.add_parser("compare", help="compare configs by training a task (loss, stability, memory, state error)",
+                       description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    one_line_errors(p)
+    p.set_defaults(func=_cmd_compare)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .study.cli import execute
+
+    return execute(args)
+
+
+# ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
 #: Subcommand registrations, in help order: each takes the subparsers action, adds its parser and
 #: sets ``func(args) -> int`` as a default.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_validate, _register_show]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_validate, _register_show, _register_bench,
+                                                                _register_compare]
 
 
 def build_parser() -> argparse.ArgumentParser:

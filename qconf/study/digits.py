@@ -8,6 +8,7 @@ states, while the head and biases stay full precision -- as in a real network.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Iterator
 
 import torch
@@ -63,4 +64,6 @@ def _evaluate(model: torch.nn.Module) -> dict[str, float]:
 def digits_task() -> Task:
     """The digits classification task (see module docstring)."""
     return Task("digits", _model, _batches, _loss, _evaluate, default_steps=300, default_lr=1e-3,
-                description="sklearn digits (1797 8x8 images), MLP 64-256-256-10, cross-entropy")
+                description="sklearn digits (1797 8x8 images, 360 held out), MLP 64-256-256-10, batch 64; "
+                            "eval: cross-entropy and accuracy on the held-out images",
+                baselines={"uniform": math.log(10)}, info={"train": 1437, "eval": 360, "batch_size": 64})

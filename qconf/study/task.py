@@ -6,7 +6,7 @@ one for your own model and pass ``--task mypkg.mymod:make_task`` (a function ret
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -25,6 +25,11 @@ class Task:
             called under ``torch.no_grad()`` with the model in eval mode.
         default_steps, default_lr: used when the caller gives none.
         description: one line for reports.
+        info: free-form facts about the task recorded in results.json (data files, sizes, ...).
+        baselines: named reference eval losses drawn in the plots and listed in the report
+            (e.g. ``{"unigram": 3.2}``: the loss a model ignoring its input reaches).
+        lr_schedule: ``(step, total_steps) -> multiplier`` of the learning rate at 0-based
+            ``step`` (e.g. warm-up + cosine); None keeps the learning rate constant.
     """
 
     name: str
@@ -35,3 +40,10 @@ class Task:
     default_steps: int = 300
     default_lr: float = 1e-3
     description: str = ""
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    baselines: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    lr_schedule: Callable[[int, int], float] | None = None
+
+
+class StudyError(ValueError):
+    """A study cannot run as asked (bad task, argument or config); the message is one line."""

@@ -1,0 +1,284 @@
+"""One training run of a study: a task, one qconfig, one seed.
+
+:func:`train_run` trains ``task.make_model(seed)`` on ``task.batches(seed)`` with a qconf optimizer
+and records everything ``qconf compare`` reports: the train-loss curve (every step), the eval curve
+(every ``eval_every`` steps and at the last step), divergence, step times, state bytes/param and the
+quantization error of every optimizer state.
+
+**Quantization error.** Next to the optimizer under test runs a *shadow*: an optimizer of the same
+class and hyperparameters with quantization off, on a detached copy of the parameters. Before each
+step the shadow's parameters are set to the model's and it receives a copy of the same gradients,
+so its states are what an fp32 optimizer would hold on this very trajectory. At each evaluation
+the normalized error of every state is measured over all parameters::
+
+    nmse(state) = sum_params sum((decode(q) - s)^2) / sum_params sum(s^2)
+
+(q: the state of the optimizer under test, s: the shadow's fp32 state). For AdamW/Lion/SGD without
+coupled weight decay the states depend on the gradients alone, so the shadow's parameters do not
+matter; syncing them makes the measurement exact for coupled decay (Adam, SGD ``weight_decay``) too.
+For Adam/AdamW two diagnostics of the second moment's zero point are added: ``v_zero`` -- the share
+of elements whose fp32 ``v`` is positive but whose stored ``v`` decodes to exactly 0 -- and
+``update`` -- the nmse of the update direction ``m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..codec import QTensor
+from ..config import QConfig, load_config
+from ..memory import memory_report
+from .. import optim as qoptim
+from .task import Task
+
+OPTIMIZERS: dict[str, type] = {"adamw": qoptim.AdamW, "adam": qoptim.Adam, "sgd": qoptim.SGD, "lion": qoptim.Lion}
+#: optimizer arguments the study adds to the optimizer's own defaults
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.9}}
+#: quantization off (= configs/fp32.yml), for the shadow optimizer
+FP32_CONFIG: dict[str, Any] = {"states": {"exp_avg": {"enable": False}, "exp_avg_sq": {"enable": False}}}
+WARMUP_FRACTION = 0.1  # divergence by "eval loss above the initial one" is checked after 10% of the steps
+TIMING_SKIP = 5        # the first steps (allocation, plan resolution, caches) are not timed
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Everything recorded for one (config, seed) run; plain data (``dataclasses.asdict`` -> JSON).
+
+    ``status`` is ``"ok"`` (all steps done), ``"diverged"`` (stopped early: ``reason`` says why) or
+    ``"interrupted"`` (Ctrl-C; the curves hold what was done). ``eval`` holds one dict per
+    evaluation: ``{"step": int, "loss": float, ...the task's other metrics}``; step 0 is the initial
+    model. ``qerr`` maps a state name to ``[[step, nmse], ...]``.
+    """
+
+    config: str
+    seed: int
+    status: str = "ok"
+    reason: str = ""
+    steps_done: int = 0
+    diverged_at: int | None = None
+    train_loss: list[float] = dataclasses.field(default_factory=list)
+    eval: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    qerr: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    step_ms: float | None = None
+    opt_ms: float | None = None
+    state_bytes_per_param: float | None = None
+    wall_s: float = 0.0
+
+    @property
+    def diverged(self) -> bool:
+        return self.status == "diverged"
+
+    @property
+    def initial_eval(self) -> dict[str, float] | None:
+        return self.eval[0] if self.eval else None
+
+    @property
+    def final_eval(self) -> dict[str, float] | None:
+        return self.eval[-1] if len(self.eval) > 1 else None
+
+    @property
+    def best_eval_loss(self) -> float | None:
+        losses = [e["loss"] for e in self.eval[1:] if math.isfinite(e["loss"])]
+        return min(losses) if losses else None
+
+    def final_qerr(self, state: str) -> float | None:
+        """The state's error at the last evaluation where it was finite (None if never measured)."""
+        finite = [v for _, v in self.qerr.get(state, []) if v is not None and math.isfinite(v)]
+        return finite[-1] if finite else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["final_eval"] = self.final_eval
+        d["best_eval_loss"] = self.best_eval_loss
+        d["final_qerr"] = {k: self.final_qerr(k) for k in self.qerr}
+        return d
+
+
+def make_optimizer(name: str, params: Any, *, lr: float, qconfig: Any, fused: bool | None,
+                   kwargs: dict[str, Any] | None = None) -> torch.optim.Optimizer:
+    """``qconf.optim.<name>(params, lr=lr, qconfig=qconfig, fused=fused, **defaults, **kwargs)``."""
+    cls = OPTIMIZERS[name]
+    return cls(params, lr=lr, qconfig=qconfig, fused=fused, **{**OPTIMIZER_DEFAULTS.get(name, {}), **(kwargs or {})})
+
+
+class _Shadow:
+    """The fp32 twin of an optimizer (see the module docstring)."""
+
+    def __init__(self, opt_name: str, named: list[tuple[str, torch.nn.Parameter]], lr: float, fused: bool | None,
+                 kwargs: dict[str, Any] | None) -> None:
+        self.pairs = [(p, p.detach().clone()) for _, p in named]
+        self.opt = make_optimizer(opt_name, [(n, s) for (n, _), (_, s) in zip(named, self.pairs)], lr=lr,
+                                  qconfig=load_config(FP32_CONFIG), fused=fused, kwargs=kwargs)
+
+    def feed(self, lr: float) -> None:
+        """Take the model's current parameters and a copy of its gradients (call before the real step)."""
+        for p, s in self.pairs:
+            s.copy_(p.detach())
+            s.grad = None if p.grad is None else p.grad.detach().clone()
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+
+    def step(self) -> None:
+        self.opt.step()
+
+
+def _as_fp32(value: Any) -> torch.Tensor:
+    return value.decode() if isinstance(value, QTensor) else value.detach().float()
+
+
+def state_errors(opt: torch.optim.Optimizer, shadow: torch.optim.Optimizer, params: list[torch.Tensor],
+                 shadow_params: list[torch.Tensor]) -> dict[str, float]:
+    """Normalized MSE of every state of ``opt`` against ``shadow`` over all parameters, plus the
+    ``v_zero`` and ``update`` diagnostics for Adam-family optimizers (module docstring)."""
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    zero_hits = positives = 0
+    adam = isinstance(opt, qoptim.AdamW) or isinstance(opt, qoptim.Adam)
+    groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for p, sp in zip(params, shadow_params):
+        st, ss = opt.state.get(p), shadow.state.get(sp)
+        if not st or not ss:
+            continue
+        decoded = {}
+        for key, ref in ss.items():
+            if key == "step" or not isinstance(ref, torch.Tensor) or key not in st or st[key] is None:
+                continue
+            q = _as_fp32(st[key])
+            decoded[key] = q
+            ref = ref.float()
+            num[key] = num.get(key, 0.0) + (q - ref).double().square().sum().item()
+            den[key] = den.get(key, 0.0) + ref.double().square().sum().item()
+            if key == "exp_avg_sq":
+                pos = ref > 0
+                positives += int(pos.sum().item())
+                zero_hits += int((pos & (q == 0)).sum().item())
+        if adam and "exp_avg" in decoded and "exp_avg_sq" in decoded:
+            group = groups[id(p)]
+            beta2, eps = group["betas"][1], group["eps"]
+            t = float(st["step"])
+            c2 = 1.0 / math.sqrt(1.0 - beta2 ** t)
+            u_q = decoded["exp_avg"] / (decoded["exp_avg_sq"].sqrt() * c2 + eps)
+            u_s = ss["exp_avg"].float() / (ss["exp_avg_sq"].float().sqrt() * c2 + eps)
+            num["update"] = num.get("update", 0.0) + (u_q - u_s).double().square().sum().item()
+            den["update"] = den.get("update", 0.0) + u_s.double().square().sum().item()
+    out = {k: (num[k] / den[k] if den[k] > 0 else (0.0 if num[k] == 0 else math.inf)) for k in num}
+    if positives:
+        out["v_zero"] = zero_hits / positives
+    return out
+
+
+def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            metrics = task.evaluate(model)
+    finally:
+        model.train(was_training)
+    if not isinstance(metrics, dict) or "loss" not in metrics:
+        raise TypeError(f"task {task.name!r}: evaluate(model) must return a dict with a 'loss' entry, got {metrics!r}")
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer: str = "adamw", steps: int,
+              lr: float, fused: bool | None = None, eval_every: int, optimizer_kwargs: dict[str, Any] | None = None,
+              measure_error: bool = True, on_step: Callable[[int, float], None] | None = None) -> RunResult:
+    """Train one (config, seed) run and return its :class:`RunResult`.
+
+    ``on_step(step, train_loss)`` is called after every step (progress bars). A KeyboardInterrupt
+    inside the run is caught: the result comes back with ``status="interrupted"`` and the caller
+    decides whether to stop (the exception is re-raised wrapped as :class:`RunInterrupted`).
+    """
+    result = RunResult(config=label, seed=seed)
+    start = time.perf_counter()
+    step_times: list[float] = []
+    opt_times: list[float] = []
+    opt = None
+    try:
+        model = task.make_model(seed)
+        model.train()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        opt = make_optimizer(optimizer, named, lr=lr, qconfig=qconfig, fused=fused, kwargs=optimizer_kwargs)
+        sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: task.lr_schedule(s, steps))
+                 if task.lr_schedule is not None else None)
+        shadow = _Shadow(optimizer, named, lr, fused, optimizer_kwargs) if measure_error else None
+        params = [p for _, p in named]
+
+        initial = _evaluate(task, model)
+        result.eval.append({"step": 0, **initial})
+        warmup = math.ceil(WARMUP_FRACTION * steps)
+        batches = task.batches(seed)
+
+        def check_eval(step: int) -> bool:
+            """Evaluate after ``step``; record state errors; True if the run diverged."""
+            metrics = _evaluate(task, model)
+            result.eval.append({"step": step, **metrics})
+            if shadow is not None:
+                for key, value in state_errors(opt, shadow.opt, params, [s for _, s in shadow.pairs]).items():
+                    result.qerr.setdefault(key, []).append([step, value])
+            if not math.isfinite(metrics["loss"]):
+                result.reason = f"non-finite eval loss at step {step}"
+                return True
+            if step >= warmup and metrics["loss"] > initial["loss"]:
+                result.reason = (f"eval loss {metrics['loss']:.4g} above the initial {initial['loss']:.4g} "
+                                 f"at step {step}")
+                return True
+            return False
+
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            opt.zero_grad(set_to_none=True)
+            loss = task.loss(model, batch)
+            value = float(loss.detach())
+            result.train_loss.append(value)
+            if not math.isfinite(value):
+                result.status, result.diverged_at = "diverged", step
+                result.reason = f"non-finite train loss ({value}) at step {step}"
+                result.steps_done = step - 1
+                break
+            loss.backward()
+            t1 = time.perf_counter()
+            if shadow is not None:  # not timed
+                shadow.feed(opt.param_groups[0]["lr"])
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if shadow is not None:
+                shadow.step()
+            if sched is not None:
+                sched.step()
+            result.steps_done = step
+            if step > TIMING_SKIP:
+                step_times.append((t1 - t0) + (t3 - t2))
+                opt_times.append(t3 - t2)
+            if on_step is not None:
+                on_step(step, value)
+            if (step % eval_every == 0 or step == steps) and check_eval(step):
+                result.status, result.diverged_at = "diverged", step
+                break
+    except KeyboardInterrupt:
+        result.status = "interrupted"
+        result.reason = f"interrupted (Ctrl-C) after {result.steps_done} of {steps} steps"
+        raise RunInterrupted(result) from None
+    finally:
+        result.wall_s = time.perf_counter() - start
+        if opt is not None:
+            result.state_bytes_per_param = memory_report(opt).bytes_per_param
+        if step_times:
+            result.step_ms = 1e3 * statistics.median(step_times)
+            result.opt_ms = 1e3 * statistics.median(opt_times)
+    return result
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run; ``.result`` holds the partial :class:`RunResult`."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__(result.reason)
+        self.result = result
