@@ -25,18 +25,29 @@ struct StepPlan : torch::CustomClassHolder {
   int64_t rule;
   std::vector<at::Tensor> params, steps, states;
   at::Tensor meta, tables;
+  std::shared_ptr<qconf::CpuWorkspace> workspace = qconf::make_cpu_workspace();
   StepPlan(int64_t rule_, std::vector<at::Tensor> params_, std::vector<at::Tensor> steps_,
            std::vector<at::Tensor> states_, at::Tensor meta_, at::Tensor tables_)
       : rule(rule_), params(std::move(params_)), steps(std::move(steps_)), states(std::move(states_)),
         meta(std::move(meta_)), tables(std::move(tables_)) {}
-  void run(const std::vector<at::Tensor>& grads, const std::vector<double>& hyper, int64_t seed) {
+  std::vector<at::Tensor> grads;  // the parameters' .grad, gathered here rather than passed in:
+                                  // converting a Python list of 1000s of tensors costs ~1 KB each
+  void run(const std::vector<double>& hyper, int64_t seed) {
+    struct Release {  // do not keep gradients alive between steps
+      std::vector<at::Tensor>& g;
+      ~Release() { g.clear(); }
+    } release{grads};
+    for (size_t i = 0; i < params.size(); ++i) {
+      grads.push_back(params[i].grad());
+      TORCH_CHECK(grads.back().defined(), "qconf fused_step: parameter ", i, " of the plan has no gradient");
+    }
 #ifdef QCONF_WITH_CUDA
     if (!params.empty() && params[0].is_cuda()) {
       qconf::fused_step_cuda(rule, params, grads, steps, states, meta, tables, hyper, seed);
       return;
     }
 #endif
-    qconf::fused_step_cpu(rule, params, grads, steps, states, meta, tables, hyper, seed);
+    qconf::fused_step_cpu_reusing(*workspace, rule, params, grads, steps, states, meta, tables, hyper, seed);
   }
 };
 

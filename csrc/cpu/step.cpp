@@ -45,42 +45,72 @@ void run_phase(RunItemsFn fn, const StepContext& ctx, const std::vector<WorkItem
 
 }  // namespace
 
+std::shared_ptr<CpuWorkspace> make_cpu_workspace() { return std::make_shared<CpuWorkspace>(); }
+
 void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
                     at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
+                    c10::ArrayRef<double> hyper, int64_t seed) {
+  CpuWorkspace ws;
+  fused_step_cpu_reusing(ws, rule, params, grads, steps, states, meta, tables, hyper, seed);
+}
+
+void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList params, at::TensorList grads,
+                    at::TensorList steps, at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                     c10::ArrayRef<double> hyper, int64_t seed) {
   const int64_t T = static_cast<int64_t>(params.size());
   host::check_call(rule, params, grads, steps, states, meta, tables, hyper);
   if (T == 0) return;
 
   // one TensorDesc per parameter (codecs, scalars, RNG keys, tiles), as the CUDA driver builds them
-  host::CallDescs call;
+  host::CallDescs& call = ws.call;
+  struct ReleaseGrads {  // the workspace outlives the call; the gradients must not
+    host::CallDescs& c;
+    ~ReleaseGrads() {
+      for (auto& g : c.grad_storage) g.reset();
+    }
+  } release{call};
   host::describe_tensors(rule, params, grads, steps, states, meta, tables.data_ptr<float>(), tables.size(0), hyper,
                          seed, at::Device(at::kCPU), "CPU", call);
   std::vector<TensorDesc>& descs = call.descs;
-  std::vector<std::vector<float>> scratch_f;
-  std::vector<std::vector<uint32_t>> scratch_u;
   const int nthreads = at::get_num_threads();
   int64_t max_tile = call.max_tile;
   bool any_factored = call.any_factored;
 
-  // scratch: two-pass partial maxima and new reciprocals; factored sums
+  // scratch: two-pass partial maxima and new reciprocals + scales; factored sums. Sized first,
+  // then carved out of two flat buffers that a StepPlan keeps between steps.
+  size_t need_f = 0, need_u = 0;
   for (auto& t : descs) {
+    if (t.numel == 0) continue;
     for (auto& st : t.st) {
-      if (st.kind != kQuant || !st.two_pass || t.numel == 0) continue;
-      scratch_u.emplace_back(static_cast<size_t>(nthreads) * st.num_scales, 0u);
-      st.partial = scratch_u.back().data();
-      scratch_f.emplace_back(static_cast<size_t>(2 * st.num_scales), 0.0f);  // reciprocals, then scales
-      st.new_recip = scratch_f.back().data();
+      if (st.kind != kQuant || !st.two_pass) continue;
+      need_u += static_cast<size_t>(nthreads) * st.num_scales;
+      need_f += static_cast<size_t>(2 * st.num_scales);
     }
-    if (t.factored && t.numel > 0) {
-      const int64_t R = t.shape[t.ndim - 2];
-      const int64_t batches = t.rows / R;
+    if (t.factored) {
       t.rows_per_chunk = (t.rows + kFactorChunks - 1) / kFactorChunks;
       const int64_t chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
-      scratch_f.emplace_back(static_cast<size_t>(2 * t.rows + chunks * batches * t.cols), 0.0f);
-      t.row_sum = scratch_f.back().data();
+      need_f += static_cast<size_t>(2 * t.rows + chunks * (t.rows / t.shape[t.ndim - 2]) * t.cols);
+    }
+  }
+  ws.scratch_f.assign(need_f, 0.0f);
+  ws.scratch_u.assign(need_u, 0u);
+  float* next_f = ws.scratch_f.data();
+  uint32_t* next_u = ws.scratch_u.data();
+  for (auto& t : descs) {
+    if (t.numel == 0) continue;
+    for (auto& st : t.st) {
+      if (st.kind != kQuant || !st.two_pass) continue;
+      st.partial = next_u;
+      next_u += static_cast<size_t>(nthreads) * st.num_scales;
+      st.new_recip = next_f;  // reciprocals, then scales
+      next_f += 2 * st.num_scales;
+    }
+    if (t.factored) {
+      const int64_t chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
+      t.row_sum = next_f;
       t.row_factor = t.row_sum + t.rows;
       t.col_partial = t.row_factor + t.rows;
+      next_f += 2 * t.rows + chunks * (t.rows / t.shape[t.ndim - 2]) * t.cols;
     }
   }
 
@@ -92,7 +122,8 @@ void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, a
   const RunItemsFn fn = isa_function();
 
   if (any_factored) {
-    std::vector<WorkItem> items;
+    std::vector<WorkItem>& items = ws.factor_items;
+    items.clear();
     for (int64_t i = 0; i < T; ++i) {
       const TensorDesc& t = descs[i];
       if (!t.factored || t.numel == 0) continue;
@@ -128,8 +159,11 @@ void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, a
   };
   // Two-pass tensors go in batches whose gradients fit the last-level cache, so pass 2 re-reads
   // them from cache instead of memory; single-pass tensors all run in one final apply phase.
-  std::vector<WorkItem> single_items, batch_items;
-  std::vector<int64_t> batch;
+  std::vector<WorkItem>& single_items = ws.single_items;
+  std::vector<WorkItem>& batch_items = ws.batch_items;
+  std::vector<int64_t>& batch = ws.batch;
+  single_items.clear();
+  batch.clear();
   int64_t batch_bytes = 0;
   auto flush = [&]() {
     if (batch.empty()) return;

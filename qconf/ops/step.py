@@ -171,7 +171,7 @@ class _GroupPlan:
             torch.ops.qconf.fused_step(self.rule, self.params, grads, self.steps, self.states, self.meta,
                                        self.tables, hyper, seed)
         else:
-            self.cpp.run(grads, hyper, seed)
+            self.cpp.run(hyper, seed)  # reads each parameter's .grad in C++
 
 
 def spec_first(opt: "QOptimizer", new: frozenset[str]) -> bool:

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
+
 namespace qconf {
 
 // meta: int64 [T, kMetaCols], one row per parameter
@@ -31,6 +33,14 @@ constexpr size_t kHyperLen = 10;
 
 void fused_step_cpu(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
                     at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
+                    c10::ArrayRef<double> hyper, int64_t seed);
+
+// Host-side buffers of the CPU driver (descriptors, work lists, two-pass and factored scratch).
+// A StepPlan keeps one between steps, so a step with 1000s of tensors allocates nothing new.
+struct CpuWorkspace;
+std::shared_ptr<CpuWorkspace> make_cpu_workspace();
+void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList params, at::TensorList grads,
+                    at::TensorList steps, at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                     c10::ArrayRef<double> hyper, int64_t seed);
 
 #ifdef QCONF_WITH_CUDA

@@ -313,4 +313,13 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
 }
 
 }  // namespace host
+
+struct CpuWorkspace {
+  host::CallDescs call;
+  std::vector<float> scratch_f;
+  std::vector<uint32_t> scratch_u;
+  std::vector<WorkItem> factor_items, single_items, batch_items;
+  std::vector<int64_t> batch;
+};
+
 }  // namespace qconf
