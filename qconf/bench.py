@@ -53,9 +53,13 @@ __all__ = ["SIZES", "Contender", "contenders", "add_arguments", "run", "format_r
 SIZES: dict[str, list[tuple[int, ...]]] = {
     "big": [(4096, 1024)] * 3,          # 12.6M params in 3 tensors
     "many": [(4096,)] * 1000,           # 4.1M params in 1000 tensors (per-tensor overhead)
+    "one": [(1000, 4096)],              # the same 4.1M params as one tensor (what `many` is compared to)
     "tiny": [(64, 128), (64, 128), (100,)],
 }
-SIZE_TEXT = {"big": "3 tensors of 4096x1024", "many": "1000 tensors of 4096", "tiny": "2 x 64x128 + 1 x 100"}
+SIZE_TEXT = {"big": "3 tensors of 4096x1024", "many": "1000 tensors of 4096", "one": "1 tensor of 1000x4096",
+             "tiny": "2 x 64x128 + 1 x 100"}
+#: what --size names: the groups run one after another in one process
+SIZE_GROUPS = {"both": ["big", "many"], "all": ["big", "many", "one"]}
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 BASELINE = "torch-fused"
@@ -605,7 +609,20 @@ def format_report(result: dict[str, Any]) -> str:
     parts = [format_header(result), ""]
     for res in result["sizes"].values():
         parts += [format_size(res), ""]
+    if "many" in result["sizes"] and "one" in result["sizes"]:
+        parts += [format_many_vs_one(result["sizes"]["many"], result["sizes"]["one"]), ""]
     return "\n".join(parts + [format_footer(result)])
+
+
+def format_many_vs_one(many: dict[str, Any], one: dict[str, Any]) -> str:
+    """Per-tensor overhead: ns/param on 1000 tensors of 4096 over ns/param on one 1000x4096 tensor."""
+    lines = ["== per-tensor overhead: ns/param on `many` (1000 x 4096) / ns/param on `one` (1 x 1000x4096) =="]
+    by_key = {r["key"]: r for r in one["rows"]}
+    for r in many["rows"]:
+        o = by_key.get(r["key"])
+        if r.get("ns_per_param") and o and o.get("ns_per_param"):
+            lines.append(f"{r['label']} ({r['dtype']}): {r['ns_per_param'] / o['ns_per_param']:.2f}x")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,9 +630,11 @@ def format_report(result: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``qconf bench`` and ``benchmarks/bench_step.py``)."""
-    p.add_argument("--size", choices=["big", "many", "both", "tiny"], default="both", metavar="{big,many,both}",
-                   help="big = 3 tensors of 4096x1024 (12.6M params); many = 1000 tensors of 4096; "
-                        "both (default) = one table each")
+    p.add_argument("--size", choices=["big", "many", "one", "both", "all", "tiny"], default="both",
+                   metavar="{big,many,one,both,all}",
+                   help="big = 3 tensors of 4096x1024 (12.6M params); many = 1000 tensors of 4096; one = the same "
+                        "4.1M params as one 1000x4096 tensor; both (default) = big and many; all = big, many, one; "
+                        "one table each")
     p.add_argument("--rounds", type=int, default=50, metavar="N",
                    help="interleaved rounds; each times one step of every contender (default 50)")
     p.add_argument("--slow-rounds", type=int, default=7, metavar="N",
@@ -680,7 +699,7 @@ def run(opts: argparse.Namespace, prog: str = "qconf bench",
         raise ValueError(f"config(s) {', '.join(missing)} not found in {opts.configs} (pass --configs DIR)")
     torch.set_num_threads(opts.threads)
     rows = select(contenders(opts.configs, opts.min_numel), opts.contenders)
-    sizes = ["big", "many"] if opts.size == "both" else [opts.size]
+    sizes = SIZE_GROUPS.get(opts.size, [opts.size])
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
@@ -709,6 +728,8 @@ def execute(opts: argparse.Namespace, prog: str) -> int:
         return 0
     def show(event: str, result: dict[str, Any]) -> None:
         text = format_header(result) if event == "start" else format_size(result["sizes"][event])
+        if event == "one" and "many" in result["sizes"]:
+            text += "\n\n" + format_many_vs_one(result["sizes"]["many"], result["sizes"]["one"])
         print(text + "\n", flush=True)
 
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,14 @@ def test_script_runs():
     assert proc.returncode == 0, proc.stderr
     assert "\ncommand: python benchmarks/bench_step.py --size tiny --rounds 1 " in proc.stdout
     assert "qconf fused default.yml" in proc.stdout
+
+
+def test_many_vs_one_overhead_line():
+    """`--size all` compares ns/param on 1000 small tensors with the same params as one tensor."""
+    def size(ns):
+        return {"rows": [{"key": "qconf-fused-default-fp32", "label": "qconf fused default.yml", "dtype": "float32",
+                          "ns_per_param": ns}]}
+    text = bench.format_many_vs_one(size(1.5), size(1.0))
+    assert text.splitlines()[1] == "qconf fused default.yml (float32): 1.50x"
+    assert bench.SIZE_GROUPS["all"] == ["big", "many", "one"]
+    assert math.prod(bench.SIZES["one"][0]) == sum(math.prod(s) for s in bench.SIZES["many"])

@@ -278,7 +278,7 @@ class QOptimizer(Optimizer):
 
             index = self._param_index()
             problems = [f"{self._describe(index[id(p)])} has {r}" for p in group["params"]
-                        if (r := unfusable_reason(p)) is not None]
+                        if (r := unfusable_reason(p) or self._cuda_unfused(p, index[id(p)])) is not None]
             if problems and self._fused:
                 raise RuntimeError(f"{type(self).__name__}(fused=True) cannot fuse: " + "; ".join(problems))
             if problems:
@@ -287,6 +287,15 @@ class QOptimizer(Optimizer):
             cached = (key, not problems)
             self._fusable_cache[id(group)] = cached
         return cached[1]
+
+    def _cuda_unfused(self, p: torch.Tensor, index: int) -> str | None:
+        """What the CUDA kernel lacks for ``p``: a quantized Kahan buffer (the CPU kernel has it)."""
+        w = self.plan(index).weights
+        if (p.device.type == "cuda" and p.dtype in wts.LOW_PRECISION and w.compensation == "kahan"
+                and w.compensation_codec is not None):
+            return ("a quantized Kahan buffer (weights.compensation_codec), which the CUDA kernel does not "
+                    "implement; drop compensation_codec to keep the buffer in the parameter's dtype")
+        return None
 
     def _spec_signature(self, group: dict[str, Any]) -> tuple:
         """The group hyperparameters that decide which states exist (cached plans depend on it)."""

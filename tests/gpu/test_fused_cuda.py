@@ -195,6 +195,31 @@ def test_cuda_matches_cpu_fused_on_large_and_odd_layouts(config, opt_name, dtype
     assert_identical(cuda_params, cuda_opt, cpu_params, cpu_opt)
 
 
+WEIGHTS = {"sr": {"rounding": "stochastic"}, "kahan": {"compensation": "kahan"},
+           "sr_kahan": {"rounding": "stochastic", "compensation": "kahan"}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "lion"])
+@pytest.mark.parametrize("weights", sorted(WEIGHTS))
+def test_cuda_low_precision_weights_match_cpu_fused(weights, opt_name, dtype, allow_cuda_fusion, monkeypatch):
+    """Stochastic rounding and a Kahan buffer in the parameter's dtype: bit-identical to the CPU."""
+    name = f"weights_{weights}"
+    monkeypatch.setitem(EXTRA_CONFIGS, name, {"base": str(CONFIGS / "default.yml"), "min_numel": 100,
+                                              "weights": WEIGHTS[weights]})
+    cuda_params, cuda_opt = run(opt_name, name, dtype, "cuda", True, steps=5)
+    cpu_params, cpu_opt = run(opt_name, name, dtype, "cpu", True, steps=5)
+    assert_identical(cuda_params, cuda_opt, cpu_params, cpu_opt)
+
+
+def test_cuda_quantized_kahan_buffer_is_refused_clearly(allow_cuda_fusion):
+    p = torch.nn.Parameter(torch.randn(64, 64, device="cuda").to(torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    opt = AdamW([p], compensation="kahan", qconfig={"weights": {"compensation_codec": {"bits": 8}}}, fused=True)
+    with pytest.raises(RuntimeError, match="quantized Kahan buffer"):
+        opt.step()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_functional_op_dispatches_to_cuda(dtype, allow_cuda_fusion, monkeypatch):
     """torch.ops.qconf.fused_step (the torch.compile path) reaches the CUDA kernel, with the
