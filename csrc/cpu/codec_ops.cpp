@@ -48,20 +48,9 @@ void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Te
   c.inner = codec[5];
   c.stochastic = static_cast<int32_t>(codec[6]);
   st.num_scales = codec[7];
-  TORCH_CHECK(c.bits >= 1 && c.bits <= 8 && c.levels >= 2 && c.levels <= (1 << c.bits) && c.scale_kind >= kBlock &&
-                  c.scale_kind <= kRank1 && (c.scale_kind != kBlock || c.block >= 1) &&
-                  (c.scale_kind != kRank1 || t.ndim >= 2),
+  TORCH_CHECK(codec_valid(c, t.ndim),
               "qconf encode/decode: invalid codec description");
-  const float* base = table.data_ptr<float>();
-  c.qmap = base;
-  c.mids = base + kTableSize;
-  c.qsearch = base + 2 * kTableSize;
-  c.coarse_mids = base + 3 * kTableSize;
-  c.coarse_qsearch = base + 3 * kTableSize + 16;
-  c.coarse32_mids = base + 4 * kTableSize;
-  c.coarse32_qsearch = base + 4 * kTableSize + 32;
-  c.cols_mids = base + 5 * kTableSize;
-  c.cols_qsearch = base + 6 * kTableSize;
+  point_tables(c, table.data_ptr<float>());
   st.kind = kQuant;
   // a block kept inside one tile is finished in one pass; everything else takes the two-pass route
   const bool one_tile = t.numel <= kMaxUnit;

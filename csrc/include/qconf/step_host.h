@@ -110,21 +110,9 @@ inline void describe_quant(const int64_t* sm, const at::Tensor& a, const at::Ten
   c.d1 = sm[6];
   c.inner = sm[7];
   c.stochastic = static_cast<int32_t>(sm[8]);
-  TORCH_CHECK(c.bits >= 1 && c.bits <= 8 && c.levels >= 2 && c.levels <= (1 << c.bits) &&
-                  c.scale_kind >= kBlock && c.scale_kind <= kRank1 &&
-                  (c.scale_kind != kBlock || c.block >= 1) && (c.scale_kind != kDim1 || (c.d1 >= 1 && c.inner >= 1)) &&
-                  (c.scale_kind != kRank1 || t.ndim >= 2),
-              "qconf fused_step: invalid codec description for ", what, " ", k, " of parameter ", i);
-  const float* base = tab + table * kTableRows * kTableSize;
-  c.qmap = base;
-  c.mids = base + kTableSize;
-  c.qsearch = base + 2 * kTableSize;
-  c.coarse_mids = base + 3 * kTableSize;
-  c.coarse_qsearch = base + 3 * kTableSize + 16;
-  c.coarse32_mids = base + 4 * kTableSize;
-  c.coarse32_qsearch = base + 4 * kTableSize + 32;
-  c.cols_mids = base + 5 * kTableSize;
-  c.cols_qsearch = base + 6 * kTableSize;
+  TORCH_CHECK(codec_valid(c, t.ndim), "qconf fused_step: invalid codec description for ", what, " ", k,
+              " of parameter ", i);
+  point_tables(c, tab + table * kTableRows * kTableSize);
   st.num_scales = num_scales_of(c, t);
   const int64_t nbytes = (t.numel * c.bits + 7) / 8;
   TORCH_CHECK(a.scalar_type() == at::kByte && a.numel() == nbytes && a.is_contiguous(),

@@ -38,6 +38,27 @@ struct CodecDesc {
   const float* cols_qsearch = nullptr;
 };
 
+// Points a codec at its lookup tables: `base` is one [kTableRows, 256] table of
+// qconf/ops/step.py:codec_table (host or device memory).
+inline void point_tables(CodecDesc& c, const float* base) {
+  c.qmap = base;
+  c.mids = base + kTableSize;
+  c.qsearch = base + 2 * kTableSize;
+  c.coarse_mids = base + 3 * kTableSize;
+  c.coarse_qsearch = base + 3 * kTableSize + 16;
+  c.coarse32_mids = base + 4 * kTableSize;
+  c.coarse32_qsearch = base + 4 * kTableSize + 32;
+  c.cols_mids = base + 5 * kTableSize;
+  c.cols_qsearch = base + 6 * kTableSize;
+}
+
+// Whether a codec description from Python is one the kernels can run on an `ndim`-D tensor.
+inline bool codec_valid(const CodecDesc& c, int32_t ndim) {
+  return c.bits >= 1 && c.bits <= 8 && c.levels >= 2 && c.levels <= (1 << c.bits) && c.scale_kind >= kBlock &&
+         c.scale_kind <= kRank1 && (c.scale_kind != kBlock || c.block >= 1) &&
+         (c.scale_kind != kDim1 || (c.d1 >= 1 && c.inner >= 1)) && (c.scale_kind != kRank1 || ndim >= 2);
+}
+
 struct StateDesc {
   int32_t kind = kNone;
   int32_t two_pass = 0;  // the new scales need the whole tensor first (two passes)
