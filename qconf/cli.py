@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser = argparse.ArgumentParser(
-        prog="qconf", description="Configurable quantization of optimizer states: check and inspect qconfigs.")
+        prog="qconf", description="Configurable quantization of optimizer states: check and inspect qconfigs, compare them on a task, benchmark the optimizer step.")
     parser.add_argument("--version", action="version", version=f"qconf {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in COMMANDS:
