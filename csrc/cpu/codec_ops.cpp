@@ -40,13 +40,7 @@ void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Te
     t.numel *= shape[d];
   }
   CodecDesc& c = st.codec;
-  c.bits = static_cast<int32_t>(codec[0]);
-  c.levels = static_cast<int32_t>(codec[1]);
-  c.scale_kind = static_cast<int32_t>(codec[2]);
-  c.block = codec[3];
-  c.d1 = codec[4];
-  c.inner = codec[5];
-  c.stochastic = static_cast<int32_t>(codec[6]);
+  read_codec(c, codec.data());
   st.num_scales = codec[7];
   TORCH_CHECK(codec_valid(c, t.ndim),
               "qconf encode/decode: invalid codec description");

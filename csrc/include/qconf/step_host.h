@@ -103,13 +103,7 @@ inline void describe_quant(const int64_t* sm, const at::Tensor& a, const at::Ten
   CodecDesc& c = st.codec;
   const int64_t table = sm[1];
   TORCH_CHECK(table >= 0 && table < ntab, "qconf fused_step: table index out of range");
-  c.bits = static_cast<int32_t>(sm[2]);
-  c.levels = static_cast<int32_t>(sm[3]);
-  c.scale_kind = static_cast<int32_t>(sm[4]);
-  c.block = sm[5];
-  c.d1 = sm[6];
-  c.inner = sm[7];
-  c.stochastic = static_cast<int32_t>(sm[8]);
+  read_codec(c, sm + 2);
   TORCH_CHECK(codec_valid(c, t.ndim), "qconf fused_step: invalid codec description for ", what, " ", k,
               " of parameter ", i);
   point_tables(c, tab + table * kTableRows * kTableSize);

@@ -52,6 +52,18 @@ inline void point_tables(CodecDesc& c, const float* base) {
   c.cols_qsearch = base + 6 * kTableSize;
 }
 
+// A codec's layout from 7 int64 columns written by Python (qconf/ops/step.py): bits, levels,
+// scale_kind, block, d1, inner, stochastic.
+inline void read_codec(CodecDesc& c, const int64_t* cols) {
+  c.bits = static_cast<int32_t>(cols[0]);
+  c.levels = static_cast<int32_t>(cols[1]);
+  c.scale_kind = static_cast<int32_t>(cols[2]);
+  c.block = cols[3];
+  c.d1 = cols[4];
+  c.inner = cols[5];
+  c.stochastic = static_cast<int32_t>(cols[6]);
+}
+
 // Whether a codec description from Python is one the kernels can run on an `ndim`-D tensor.
 inline bool codec_valid(const CodecDesc& c, int32_t ndim) {
   return c.bits >= 1 && c.bits <= 8 && c.levels >= 2 && c.levels <= (1 << c.bits) && c.scale_kind >= kBlock &&
