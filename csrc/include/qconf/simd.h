@@ -106,15 +106,6 @@ struct Isa {
   static F load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   }
-  static void store_bf16(uint16_t* p, F x) {
-    const __m512i u = _mm512_castps_si512(x.v);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    const __m512i r = _mm512_mask_mov_epi32(rounded, isnan(x), nan);
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
-  }
   static void store_u16(uint16_t* p, I x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(x.v)); }
   static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static void store_f16(uint16_t* p, F x) {
@@ -223,16 +214,6 @@ struct Isa {
   static F load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
-  static void store_bf16(uint16_t* p, F x) {
-    const __m256i u = _mm256_castps_si256(x.v);
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                         _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i r = _mm256_blendv_epi8(rounded, nan, isnan(x));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
-  }
   static void store_u16(uint16_t* p, I x) {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x.v, x.v), 0xD8);
     _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
@@ -290,7 +271,6 @@ struct Isa {
   static T256 table256(const float* t) { return t; }
   static F lookup256(T256 t, I idx) { return t[idx]; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16_rne(x); }
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static void store_f16(uint16_t* p, F x) { *p = f32_to_f16_rne(x); }

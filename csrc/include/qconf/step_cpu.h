@@ -63,12 +63,30 @@ inline void load_as_f32(const void* src, int32_t dtype, int64_t start, int64_t n
   }
 }
 
+// bf16 pattern (low 16 bits of the lanes) of x, round to nearest even, NaN quiet
+inline I bf16_rne_bits(F x) {
+  const I u = Isa::bits(x);
+  const I rounded = (u + I(0x7fffu) + ((u >> 16) & I(1u))) >> 16;
+  return Isa::select_i(Isa::isnan(x), (u >> 16) | I(0x40u), rounded);
+}
+
+// bf16 stochastic rounding of x with the random bits h (the top 16 bits are used)
+inline I bf16_sr_bits(F x, I h) {
+  const I u = Isa::bits(x);
+  const I exp_mask(0x7f800000u);
+  const auto nonfinite = Isa::eq_i(u & exp_mask, exp_mask);
+  I v = (u + (h >> 16)) & I(0xffff0000u);
+  v = Isa::select_i(Isa::eq_i(v & exp_mask, exp_mask), (u & I(0x80000000u)) | I(0x7f7f0000u), v);
+  const I special = (u >> 16) | Isa::select_i(Isa::isnan(x), I(0x40u), I(0u));
+  return Isa::select_i(nonfinite, special, v >> 16);
+}
+
 // Round to nearest even into a bf16/fp16 tensor (fp32 params are updated in place instead).
 inline void store_from_f32(void* dst, int32_t dtype, int64_t start, int64_t n, const float* src) {
   int64_t i = 0;
   uint16_t* d = static_cast<uint16_t*>(dst) + start;
   if (dtype == kBF16) {
-    for (; i + W <= n; i += W) Isa::store_bf16(d + i, Isa::load(src + i));
+    for (; i + W <= n; i += W) Isa::store_u16(d + i, bf16_rne_bits(Isa::load(src + i)));
     for (; i < n; ++i) d[i] = f32_to_bf16_rne(src[i]);
   } else {
     for (; i + W <= n; i += W) Isa::store_f16(d + i, Isa::load(src + i));
@@ -135,6 +153,33 @@ inline void pack_codes(const uint32_t* in, int bits, int64_t start, int64_t n, u
 }
 
 // ---------------------------------------------------------------------------------------------
+// rank1 layout: one value per index of every dim, concatenated (shape[0] values, shape[1], ...).
+// Calls fn(off, len, lead, nlead, col) for each run of the tile [start, start+n) inside one row
+// along the last dim: lead[0..nlead) are the slots of the row's leading-dim values (last leading
+// dim first), col the slot of the run's first column value.
+template <class Fn>
+inline void for_each_rank1_row(const TensorDesc& t, int64_t start, int64_t n, Fn&& fn) {
+  const int nd = t.ndim;
+  const int64_t C = t.shape[nd - 1], end = start + n;
+  int64_t last_off = 0;
+  for (int d = 0; d < nd - 1; ++d) last_off += t.shape[d];
+  int64_t lead[kMaxDims];
+  for (int64_t i = start; i < end;) {
+    const int64_t r = i / C;
+    const int64_t c0 = i - r * C;
+    const int64_t e = i + (C - c0) < end ? i + (C - c0) : end;
+    int64_t rem = r, off = last_off;
+    for (int d = nd - 2; d >= 0; --d) {
+      off -= t.shape[d];
+      lead[nd - 2 - d] = off + rem % t.shape[d];
+      rem /= t.shape[d];
+    }
+    fn(i - start, e - i, lead, nd - 1, last_off + c0);
+    i = e;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // scale layout walker: calls fn(offset, len, c, vec, combine) for each run of elements of the
 // tile [start, start+n) whose per-element value is `c` (vec == nullptr), `vec[j]`, or
 // combine(c, vec[j]) (rank1). `vals` is the per-stored-scale array (scales or reciprocals).
@@ -168,30 +213,13 @@ inline void for_each_scale_run(const CodecDesc& c, const TensorDesc& t, const fl
         i = e;
       }
     }
-  } else {  // kRank1, ndim >= 2: rows along the last dimension
-    const int nd = t.ndim;
-    const int64_t C = t.shape[nd - 1];
-    int64_t last_off = 0;
-    for (int d = 0; d < nd - 1; ++d) last_off += t.shape[d];
-    for (int64_t i = start; i < end;) {
-      const int64_t r = i / C;
-      const int64_t c0 = i - r * C;
-      const int64_t e = i + (C - c0) < end ? i + (C - c0) : end;
-      // combine the leading dims' values for row r
-      float part = 0.0f;
-      bool have = false;
-      int64_t rem = r, off = last_off;
-      for (int d = nd - 2; d >= 0; --d) {
-        off -= t.shape[d];
-        const int64_t idx = rem % t.shape[d];
-        rem /= t.shape[d];
-        const float v = vals[off + idx];
-        part = !have ? v : (use_min ? fmin_nan(part, v) : fmax_nan(part, v));
-        have = true;
-      }
-      fn(i - start, e - i, part, vals + last_off + c0, true);
-      i = e;
-    }
+  } else {  // kRank1, ndim >= 2: combine the leading dims' values of each row
+    for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
+      float part = vals[lead[0]];
+      for (int k = 1; k < nlead; ++k)
+        part = use_min ? fmin_nan(part, vals[lead[k]]) : fmax_nan(part, vals[lead[k]]);
+      fn(off, len, part, vals + col, true);
+    });
   }
 }
 
@@ -406,25 +434,12 @@ inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t star
       }
     }
   } else {
-    const int nd = t.ndim;
-    const int64_t C = t.shape[nd - 1];
-    int64_t last_off = 0;
-    for (int d = 0; d < nd - 1; ++d) last_off += t.shape[d];
-    for (int64_t i = start; i < end;) {
-      const int64_t r = i / C;
-      const int64_t c0 = i - r * C;
-      const int64_t e = i + (C - c0) < end ? i + (C - c0) : end;
-      const float* v = x + (i - start);
-      const uint32_t m = absmax_bits(v, e - i);
-      int64_t rem = r, off = last_off;
-      for (int d = nd - 2; d >= 0; --d) {
-        off -= t.shape[d];
-        fold_one(partial + off + rem % t.shape[d], m);
-        rem /= t.shape[d];
-      }
-      fold_vec(partial + last_off + c0, v, e - i);
-      i = e;
-    }
+    for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
+      const float* v = x + off;
+      const uint32_t m = absmax_bits(v, len);
+      for (int k = 0; k < nlead; ++k) fold_one(partial + lead[k], m);
+      fold_vec(partial + col, v, len);
+    });
   }
 }
 
@@ -772,24 +787,6 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 // Writing the new fp32 parameter into a bf16/fp16 parameter (final pass; qconf/optim/weights.py):
 // nearest, stochastic rounding, and/or Kahan compensation with the buffer t.comp.
-
-// bf16 pattern (low 16 bits of the lanes) of x, round to nearest even, NaN quiet
-inline I bf16_rne_bits(F x) {
-  const I u = Isa::bits(x);
-  const I rounded = (u + I(0x7fffu) + ((u >> 16) & I(1u))) >> 16;
-  return Isa::select_i(Isa::isnan(x), (u >> 16) | I(0x40u), rounded);
-}
-
-// bf16 stochastic rounding of x with the random bits h (the top 16 bits are used)
-inline I bf16_sr_bits(F x, I h) {
-  const I u = Isa::bits(x);
-  const I exp_mask(0x7f800000u);
-  const auto nonfinite = Isa::eq_i(u & exp_mask, exp_mask);
-  I v = (u + (h >> 16)) & I(0xffff0000u);
-  v = Isa::select_i(Isa::eq_i(v & exp_mask, exp_mask), (u & I(0x80000000u)) | I(0x7f7f0000u), v);
-  const I special = (u >> 16) | Isa::select_i(Isa::isnan(x), I(0x40u), I(0u));
-  return Isa::select_i(nonfinite, special, v >> 16);
-}
 
 inline void write_params(TensorDesc& t, int64_t start, int64_t n, const float* p, Buffers& b) {
   uint16_t* dst = static_cast<uint16_t*>(t.param) + start;
