@@ -499,49 +499,54 @@ inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
 //      apply the rule, write new values (fp32 states in place on the final pass)
 //   4. pass 1: fold absmax into the thread's partials and stop; final pass: per block new scale
 //      (single-pass) or per-element new reciprocals (two-pass), quantize, pack
-enum StateIO : int { kIONone = 0, kIOF32 = 1, kIOQ4 = 4, kIOQ8 = 8 };
+//   kIOQ4/kIOQ8: 4/8-bit codes with per-element old scales (two-pass layouts: rank1, dim1, ...)
+//   kIOQ4B/kIOQ8B: the same codes with one old scale per vector (single-pass blocks, block % W == 0)
+enum StateIO : int { kIONone = 0, kIOF32 = 1, kIOQ4 = 4, kIOQ4B = 5, kIOQ8 = 8, kIOQ8B = 9 };
+constexpr bool io_q4(int io) { return io == kIOQ4 || io == kIOQ4B; }
+constexpr bool io_q8(int io) { return io == kIOQ8 || io == kIOQ8B; }
 constexpr int64_t kPrefetch = 1024;  // elements ahead (one tile)
 
 struct StateIn {
   const float* values = nullptr;  // kIOF32: read from here
   float* out = nullptr;           // new values go here (in place for kIOF32 on the final pass)
   const uint8_t* codes = nullptr; // kIOQ4/kIOQ8: packed codes of the tile
-  const float* scale = nullptr;   // per-element old scales of the tile
+  const float* scale = nullptr;   // old scales of the tile: per element, or per vector (kIOQ*B)
   const float* qmap = nullptr;
   Isa::T256 q256{};               // kIOQ8: the map as a register table
 };
 
 template <int IO>
+inline F old_scale(const StateIn& s, int64_t i) {
+  if constexpr (IO == kIOQ4B || IO == kIOQ8B) return F(s.scale[i / W]);
+  else return Isa::load(s.scale + i);
+}
+
+template <int IO>
 inline F load_state(const StateIn& s, int64_t i) {
   if constexpr (IO == kIOF32) {
     return Isa::load(s.values + i);
-  } else if constexpr (IO == kIOQ4) {
-    return Isa::lookup16(Isa::table16(s.qmap), Isa::unpack4(s.codes + i / 2)) * Isa::load(s.scale + i);
-  } else if constexpr (IO == kIOQ8) {
-    return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i)) * Isa::load(s.scale + i);
+  } else if constexpr (io_q4(IO)) {
+    return Isa::lookup16(Isa::table16(s.qmap), Isa::unpack4(s.codes + i / 2)) * old_scale<IO>(s, i);
+  } else if constexpr (io_q8(IO)) {
+    return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i)) * old_scale<IO>(s, i);
   } else {
     return F(0.0f);
   }
 }
 
+// (the 4/8-bit kinds only occur for whole vectors: state_io)
 template <int IO>
 inline float load_state_scalar(const StateIn& s, int64_t i) {
-  if constexpr (IO == kIOF32) {
-    return s.values[i];
-  } else if constexpr (IO == kIOQ4) {
-    return s.qmap[(s.codes[i / 2] >> ((i & 1) * 4)) & 0xF] * s.scale[i];
-  } else if constexpr (IO == kIOQ8) {
-    return s.qmap[s.codes[i]] * s.scale[i];
-  } else {
-    return 0.0f;
-  }
+  if constexpr (IO == kIOF32) return s.values[i];
+  else return 0.0f;
 }
 
 // StoreP=false (pass 1): only the states' new values are needed; the parameter math is dead code.
 template <class Rule, int IO0, int IO1, bool StoreP = true>
-void main_loop(float* p, const float* g, const StateIn& s0, const StateIn& s1, int64_t n, const Scalars& hs,
+void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_, int64_t n, const Scalars& hs,
                bool update_v) {
-  const Scalars h = hs;  // a local copy: the rule's scalars stay in registers
+  const Scalars h = hs;  // local copies: the rule's scalars and the state pointers stay in
+  const StateIn s0 = s0_, s1 = s1_;  // registers (stores through float* could alias the refs)
   int64_t i = 0;
   if constexpr (W > 1) {
     for (; i + W <= n; i += W) {
@@ -570,6 +575,8 @@ void main_loop(float* p, const float* g, const StateIn& s0, const StateIn& s1, i
   }
 }
 
+// Dispatch on the two state kinds. Pass 1 (StoreP=false) only sees two-pass states, whose
+// scales are per element, so the per-vector kinds are instantiated for the final pass only.
 template <class Rule, bool StoreP, int IO0>
 void main_loop_1(float* p, const float* g, const StateIn& s0, int io1, const StateIn& s1, int64_t n,
                  const Scalars& h, bool update_v) {
@@ -580,6 +587,12 @@ void main_loop_1(float* p, const float* g, const StateIn& s0, int io1, const Sta
       case kIOF32: main_loop<Rule, IO0, kIOF32, StoreP>(p, g, s0, s1, n, h, update_v); break;
       case kIOQ4: main_loop<Rule, IO0, kIOQ4, StoreP>(p, g, s0, s1, n, h, update_v); break;
       case kIOQ8: main_loop<Rule, IO0, kIOQ8, StoreP>(p, g, s0, s1, n, h, update_v); break;
+      case kIOQ4B:
+        if constexpr (StoreP) main_loop<Rule, IO0, kIOQ4B, StoreP>(p, g, s0, s1, n, h, update_v);
+        break;
+      case kIOQ8B:
+        if constexpr (StoreP) main_loop<Rule, IO0, kIOQ8B, StoreP>(p, g, s0, s1, n, h, update_v);
+        break;
       default: main_loop<Rule, IO0, kIONone, StoreP>(p, g, s0, s1, n, h, update_v); break;
     }
   }
@@ -592,6 +605,12 @@ void run_main_loop(float* p, const float* g, int io0, const StateIn& s0, int io1
     case kIOF32: main_loop_1<Rule, StoreP, kIOF32>(p, g, s0, io1, s1, n, h, update_v); break;
     case kIOQ4: main_loop_1<Rule, StoreP, kIOQ4>(p, g, s0, io1, s1, n, h, update_v); break;
     case kIOQ8: main_loop_1<Rule, StoreP, kIOQ8>(p, g, s0, io1, s1, n, h, update_v); break;
+    case kIOQ4B:
+      if constexpr (StoreP) main_loop_1<Rule, StoreP, kIOQ4B>(p, g, s0, io1, s1, n, h, update_v);
+      break;
+    case kIOQ8B:
+      if constexpr (StoreP) main_loop_1<Rule, StoreP, kIOQ8B>(p, g, s0, io1, s1, n, h, update_v);
+      break;
     default: main_loop_1<Rule, StoreP, kIONone>(p, g, s0, io1, s1, n, h, update_v); break;
   }
 }
@@ -779,8 +798,19 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
   if (st.kind == kFp32) return kIOF32;
   const CodecDesc& c = st.codec;
   if (!Isa::kFastPack || W == 1 || (c.bits != 4 && c.bits != 8) || n % W != 0 || start % W != 0) return kIOF32;
-  if (!st.two_pass && c.block % W != 0) return kIOF32;
+  if (!st.two_pass) return c.block % W != 0 ? kIOF32 : c.bits + 1;  // kIOQ4B / kIOQ8B
   return c.bits;  // kIOQ4 / kIOQ8
+}
+
+// one old scale per vector of a single-pass block state (blocks are whole vectors: state_io)
+inline void fill_per_vector(const CodecDesc& c, const float* scales, int64_t start, int64_t n, float* out) {
+  const int64_t per_block = c.block / W;
+  int64_t blk = start / c.block, v = 0;
+  const int64_t nv = n / W;
+  for (int64_t k = (start % c.block) / W; v < nv; ++blk, k = 0) {
+    const float s = scales[blk];
+    for (; k < per_block && v < nv; ++k) out[v++] = s;
+  }
 }
 
 
@@ -868,11 +898,12 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
         dequantize(st, t, start, n, b.s[k], b.codes);
         s.values = b.s[k];
       } else {
-        fill_per_element(st.codec, t, st.scales, true, start, n, b.sc[k]);
+        if (st.two_pass) fill_per_element(st.codec, t, st.scales, true, start, n, b.sc[k]);
+        else fill_per_vector(st.codec, st.scales, start, n, b.sc[k]);
         s.codes = st.codes + start * st.codec.bits / 8;
         s.scale = b.sc[k];
         s.qmap = st.codec.qmap;
-        if (io[k] == kIOQ8) s.q256 = Isa::table256(st.codec.qmap);
+        if (io_q8(io[k])) s.q256 = Isa::table256(st.codec.qmap);
       }
     }
   }
@@ -896,9 +927,9 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
     const StateDesc& st = t.st[k];
     if (st.kind != kQuant) continue;
     const bool sr = st.codec.stochastic != 0;
-    if (io[k] == kIOQ4) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k])
+    if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k])
                            : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k]);
-    else if (io[k] == kIOQ8) sr ? quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k])
+    else if (io_q8(io[k])) sr ? quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k])
                                 : quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
     else quantize(st, t, start, n, b.s[k], b.codes);
   }
