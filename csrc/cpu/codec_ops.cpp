@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "qconf/isa.h"
+#include "qconf/parallel.h"
 #include "qconf/step_driver.h"
 #include "qconf/step_types.h"
 
@@ -65,8 +66,8 @@ std::vector<WorkItem> tiles_of(const TensorDesc& t) {
 
 void run(RunCodecFn fn, const CodecJob& job, const std::vector<WorkItem>& items, int32_t op) {
   if (items.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    fn(job, items.data(), b, e, op, static_cast<int32_t>(at::get_thread_num()));
+  parallel_chunks(static_cast<int64_t>(items.size()), [&](int64_t b, int64_t e, int32_t tid) {
+    fn(job, items.data(), b, e, op, tid);
   });
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "qconf/isa.h"
+#include "qconf/parallel.h"
 #include "qconf/step_host.h"
 #include "qconf/step_types.h"
 
@@ -38,8 +39,8 @@ RunItemsFn isa_function() {
 
 void run_phase(RunItemsFn fn, const StepContext& ctx, const std::vector<WorkItem>& items, int32_t phase) {
   if (items.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    fn(ctx, items.data(), begin, end, phase, static_cast<int32_t>(at::get_thread_num()));
+  parallel_chunks(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end, int32_t tid) {
+    fn(ctx, items.data(), begin, end, phase, tid);
   });
 }
 
