@@ -22,7 +22,7 @@ ops = pytest.importorskip("qconf.ops")
 if not ops.fused_available():  # pragma: no cover - the CI build always has the extension
     pytest.skip(f"fused kernels unavailable: {ops.native_error()}", allow_module_level=True)
 
-SHAPES = [(1,), (127,), (4097,), (33, 130), (3, 5, 7), (2, 3, 4, 5), (64, 96)]
+SHAPES = [(1,), (127,), (4097,), (33, 130), (3, 5, 7), (2, 3, 4, 5), (64, 96), (3, 4, 32)]
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yml"))
 
 

@@ -85,6 +85,7 @@ struct Isa {
   static F lookup32(const T32& t, I idx) { return _mm512_permutex2var_ps(t.lo, idx.v, t.hi); }  // idx & 31
   struct T256 {
     __m512 r[16];
+    T256() {}  // left unfilled: StateIn holds one per state and only 8-bit states fill it
   };
   static inline __attribute__((always_inline)) T256 table256(const float* t) {
     T256 out;

@@ -512,7 +512,7 @@ struct StateIn {
   const uint8_t* codes = nullptr; // kIOQ4/kIOQ8: packed codes of the tile
   const float* scale = nullptr;   // old scales of the tile: per element, or per vector (kIOQ*B)
   const float* qmap = nullptr;
-  Isa::T256 q256{};               // kIOQ8: the map as a register table
+  Isa::T256 q256{};               // kIOQ8: the map as a register table (filled only then)
 };
 
 template <int IO>
@@ -815,6 +815,55 @@ inline void fill_per_vector(const CodecDesc& c, const float* scales, int64_t sta
 
 
 // ---------------------------------------------------------------------------------------------
+// Pass 1 of a rank-1 state with 4/8-bit codes, in one loop per row run: old scale
+// min(row, col) -> dequantize -> rule -> fold |new| into the row's and the columns' partial
+// maxima. (The generic pass writes the old scales, the new values and re-reads both.) Only state
+// K's new value is used; the other state's math is dead code.
+template <class Rule, int K, int IO>
+inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const float* p, const float* g,
+                         uint32_t* partial) {
+  const StateDesc& st = t.st[K];
+  const uint8_t* codes = st.codes + start * st.codec.bits / 8;
+  const float* scales = st.scales;
+  const Scalars h = t.h;
+  const I mask(0x7fffffffu);
+  StateIn in;
+  in.codes = codes;
+  in.qmap = st.codec.qmap;
+  if constexpr (io_q8(IO)) in.q256 = Isa::table256(st.codec.qmap);
+  for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
+    float part = scales[lead[0]];
+    for (int k = 1; k < nlead; ++k) part = fmin_nan(part, scales[lead[k]]);
+    const F row_scale(part);
+    const float* col_scale = scales + col;
+    uint32_t* col_max = partial + col;
+    I row_max(0u);
+    for (int64_t j = 0; j < len; j += W) {
+      __builtin_prefetch(g + off + j + kPrefetch, 0);  // pass 1 streams the gradient from memory
+      const F scale = Isa::fmin_nan(row_scale, Isa::load(col_scale + j));
+      F code_value;
+      if constexpr (io_q4(IO)) code_value = Isa::lookup16(Isa::table16(in.qmap), Isa::unpack4(codes + (off + j) / 2));
+      else code_value = Isa::lookup256(in.q256, Isa::unpack8(codes + off + j));
+      F P = Isa::load(p + off + j);
+      F S[2] = {F(0.0f), F(0.0f)};
+      S[K] = code_value * scale;
+      Rule::apply(P, Isa::load(g + off + j), S[0], S[1], h, true);
+      const I a = Isa::bits(S[K]) & mask;
+      row_max = Isa::max_u(row_max, a);
+      Isa::store_i(col_max + j, Isa::max_u(Isa::load_i(col_max + j), a));
+    }
+    const uint32_t m = Isa::hmax_u(row_max);
+    for (int k = 0; k < nlead; ++k) partial[lead[k]] = m > partial[lead[k]] ? m : partial[lead[k]];
+  });
+}
+
+// Whether rank1_reduce handles state k of this tile (whole vectors in every row run).
+inline bool rank1_reduce_applies(const TensorDesc& t, const StateDesc& st, int io, int64_t start, int64_t n) {
+  return st.kind == kQuant && st.two_pass && st.codec.scale_kind == kRank1 && (io == kIOQ4 || io == kIOQ8) &&
+         t.shape[t.ndim - 1] % W == 0 && start % W == 0 && n % W == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Writing the new fp32 parameter into a bf16/fp16 parameter (final pass; qconf/optim/weights.py):
 // nearest, stochastic rounding, and/or Kahan compensation with the buffer t.comp.
 
@@ -877,13 +926,29 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
   }
   StateIn in[2];
   int io[2];
+  bool generic_reduce[2] = {false, false};
   for (int k = 0; k < 2; ++k) {
     const StateDesc& st = t.st[k];
     io[k] = state_io(st, start, n);
     StateIn& s = in[k];
-    if (!final_pass && !(st.kind == kQuant && st.two_pass)) {  // pass 1 needs only two-pass states
-      io[k] = kIONone;
-      continue;
+    if (!final_pass) {  // pass 1 needs only two-pass states, rank-1 ones in one loop of their own
+      if (rank1_reduce_applies(t, st, io[k], start, n)) {
+        uint32_t* partial = st.partial + tid * st.num_scales;
+        if (k == 0) {
+          io[k] == kIOQ4 ? rank1_reduce<Rule, 0, kIOQ4>(t, start, n, p, g, partial)
+                         : rank1_reduce<Rule, 0, kIOQ8>(t, start, n, p, g, partial);
+        } else if constexpr (Rule::kStates == 2) {
+          io[k] == kIOQ4 ? rank1_reduce<Rule, 1, kIOQ4>(t, start, n, p, g, partial)
+                         : rank1_reduce<Rule, 1, kIOQ8>(t, start, n, p, g, partial);
+        }
+        io[k] = kIONone;
+        continue;
+      }
+      if (!(st.kind == kQuant && st.two_pass)) {
+        io[k] = kIONone;
+        continue;
+      }
+      generic_reduce[k] = true;
     }
     if (st.kind == kFp32) {
       if (final_pass) {
@@ -907,6 +972,7 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
       }
     }
   }
+  if (!final_pass && !generic_reduce[0] && !generic_reduce[1]) return;
   bool update_v = true;
   if (t.factored) {
     fill_vhat(t, start, n, b.vhat);
@@ -919,7 +985,7 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
   if (!final_pass) {
     for (int k = 0; k < 2; ++k) {
       const StateDesc& st = t.st[k];
-      if (st.kind == kQuant && st.two_pass) reduce_absmax(st, t, start, n, b.s[k], st.partial + tid * st.num_scales);
+      if (generic_reduce[k]) reduce_absmax(st, t, start, n, b.s[k], st.partial + tid * st.num_scales);
     }
     return;
   }
