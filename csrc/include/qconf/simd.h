@@ -126,6 +126,18 @@ struct Isa {
   }
   static I unpack8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c.v)); }
+  // table[code] for 16 packed 4-bit codes: vpermps reads only index bits 0..3, so each lane just
+  // needs its nibble at the bottom: byte k of the 8 goes to lanes 2k, 2k+1 (vpshufb inside the
+  // 128-bit lanes of a broadcast), then odd lanes shift right by 4.
+  static F lookup16_packed4(T16 t, const uint8_t* p) {
+    int64_t q;
+    __builtin_memcpy(&q, p, 8);
+    const __m512i b = _mm512_set1_epi64(q);
+    const __m512i spread = _mm512_shuffle_epi8(
+        b, _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0));
+    const __m512i idx = _mm512_srlv_epi32(spread, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+    return _mm512_permutexvar_ps(idx, t);
+  }
 };
 
 #elif defined(QCONF_ISA_AVX2)
@@ -228,6 +240,7 @@ struct Isa {
   static void pack4(uint8_t*, I) {}
   static I unpack8(const uint8_t*) { return I(0u); }
   static void pack8(uint8_t*, I) {}
+  static F lookup16_packed4(T16, const uint8_t*) { return F(0.0f); }  // kFastPack is false
 };
 
 #else  // portable scalar
@@ -280,6 +293,7 @@ struct Isa {
   static void pack4(uint8_t*, I) {}
   static I unpack8(const uint8_t*) { return 0u; }
   static void pack8(uint8_t*, I) {}
+  static F lookup16_packed4(T16, const uint8_t*) { return 0.0f; }  // kFastPack is false
 };
 
 #endif

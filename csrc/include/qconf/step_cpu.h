@@ -526,7 +526,7 @@ inline F load_state(const StateIn& s, int64_t i) {
   if constexpr (IO == kIOF32) {
     return Isa::load(s.values + i);
   } else if constexpr (io_q4(IO)) {
-    return Isa::lookup16(Isa::table16(s.qmap), Isa::unpack4(s.codes + i / 2)) * old_scale<IO>(s, i);
+    return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + i / 2) * old_scale<IO>(s, i);
   } else if constexpr (io_q8(IO)) {
     return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i)) * old_scale<IO>(s, i);
   } else {
@@ -842,7 +842,7 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
       __builtin_prefetch(g + off + j + kPrefetch, 0);  // pass 1 streams the gradient from memory
       const F scale = Isa::fmin_nan(row_scale, Isa::load(col_scale + j));
       F code_value;
-      if constexpr (io_q4(IO)) code_value = Isa::lookup16(Isa::table16(in.qmap), Isa::unpack4(codes + (off + j) / 2));
+      if constexpr (io_q4(IO)) code_value = Isa::lookup16_packed4(Isa::table16(in.qmap), codes + (off + j) / 2);
       else code_value = Isa::lookup256(in.q256, Isa::unpack8(codes + off + j));
       F P = Isa::load(p + off + j);
       F S[2] = {F(0.0f), F(0.0f)};
