@@ -758,11 +758,10 @@ struct FastQuantizer {
     else Isa::pack8(st.codes + e, code);
   }
 
-  // x[0..len) are elements first..first+len-1 (len a multiple of W); constant reciprocal r
+  // x[0..len) are elements first..first+len-1 (len a multiple of W); one reciprocal per vector
   // (0 for a zero block: 0 * 0 normalizes to 0 like the reference)
-  void run_const(const float* x, int64_t len, int64_t first, float r) const {
-    const F rv(r);
-    for (int64_t j = 0; j < len; j += W) store(code(Isa::load(x + j) * rv, first + j), first + j);
+  void run_per_vector(const float* x, const float* r, int64_t len, int64_t first) const {
+    for (int64_t j = 0; j < len; j += W) store(code(Isa::load(x + j) * F(r[j / W]), first + j), first + j);
   }
   // per-element reciprocals (inf marks a zero scale)
   void run_vec(const float* x, const float* r, int64_t len, int64_t first) const {
@@ -776,15 +775,19 @@ template <int BITS, bool SR>
 void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf) {
   const FastQuantizer<BITS, SR> q(st);
   if (!st.two_pass) {
+    // all the tile's new block scales first (their reductions and divisions overlap), then one
+    // quantize loop over the tile with a reciprocal per vector
     const int64_t B = st.codec.block;
     int64_t blk = start / B;
     for (int64_t off = 0; off < n; ++blk) {
       const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
       const float s = scale_from_absmax_bits(absmax_bits(x + off, len));
       st.scales[blk] = s;
-      q.run_const(x + off, len, start + off, run_recip(s));
+      const float r = run_recip(s);
+      for (int64_t v = off / W; v < (off + len) / W; ++v) rbuf[v] = r;
       off += len;
     }
+    q.run_per_vector(x, rbuf, n, start);
   } else {
     fill_per_element(st.codec, t, st.new_recip, false, start, n, rbuf);
     q.run_vec(x, rbuf, n, start);
