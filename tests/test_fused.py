@@ -134,6 +134,38 @@ def test_codec_sweep_matches_reference(scale, map, bits, rounding):
         _assert_same(ref, fus)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
+    # power-1 unsigned maps have midpoints (k + 1.5) / 2**bits: the kernel computes their codes
+    # arithmetically (ops.step.midpoint_grid). SGD's first step stores the gradient as the
+    # momentum buffer, and every block of 64 holds a 1.0, so the normalized values are exactly
+    # the gradient: each midpoint, its float neighbours, and the awkward values.
+    from qconf.codec import Codec
+    from qconf.ops.step import midpoint_grid
+
+    codec = Codec(bits=bits, map="power-1", signed=False, scale="group", group_size=64)
+    mids = codec.midpoints
+    assert midpoint_grid(mids) == (2.0 ** bits, 1.5)
+    assert midpoint_grid(Codec(bits=bits, map="nonlinear", signed=True).midpoints) == (0.0, 0.0)
+    around = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-1.0))])
+    odd = torch.tensor([0.0, -0.0, -0.5, -1.0, 1e-40, 1e-30, 0.25 - 2 ** -26, 0.5 + 2 ** -24, 0.999999, 1.0])
+    values = torch.cat([around, odd])
+    blocks = values.split(63)
+    grad = torch.cat([torch.cat([torch.ones(1), b, torch.zeros(63 - b.numel())]) for b in blocks])
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": bits, "map": "power-1", "signed": False,
+                                                  "scale": "group", "group_size": 64}}}
+    runs = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(torch.zeros(grad.numel()))
+        opt = SGD([p], lr=0.1, momentum=0.9, qconfig=cfg, fused=fused)
+        p.grad = grad.clone()
+        opt.step()
+        runs.append(([p], opt))
+    _assert_same(*runs)
+    buf = runs[1][1].state[runs[1][0][0]]["momentum_buffer"]
+    assert torch.equal(buf.scales, torch.ones_like(buf.scales))  # the values were normalized by 1
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 5, 6, 7])
 def test_other_widths_are_fused_and_match(bits):
     cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": bits, "map": "linear" if bits > 1 else "power-1"},

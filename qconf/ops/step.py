@@ -37,11 +37,34 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY = torch.empty(0)
 
 
+def midpoint_grid(mids: torch.Tensor) -> tuple[float, float]:
+    """(L, c) when the float32 midpoints are exactly ``(k + c) / L`` for k = 0, 1, ...: L a power
+    of two (at most 2**16) and c - 1/2 a non-negative integer, e.g. power-1 maps ((k + 1.5) / 16
+    at 4 bits). Then the nearest code is ``clamp(ceil(n * L - c), 0, levels - 1)``, exact in
+    float32 (the kernel's proof is at FastQuantizer in csrc/include/qconf/step_cpu.h). (0, 0)
+    otherwise."""
+    m = mids.double()
+    if m.numel() < 2:
+        return 0.0, 0.0
+    step = float(m[1] - m[0])
+    if step <= 0:
+        return 0.0, 0.0
+    L = 1.0 / step
+    mant, _ = math.frexp(L)
+    c = float(m[0]) * L
+    o = c - 0.5
+    if mant != 0.5 or not 1.0 <= L <= 2.0 ** 16 or o < 0 or o != math.floor(o):
+        return 0.0, 0.0
+    grid = (torch.arange(m.numel(), dtype=torch.float64) + c) / L
+    return (L, c) if torch.equal(grid, m) else (0.0, 0.0)
+
+
 def codec_table(codec: Codec) -> torch.Tensor:
     """The kernel's lookup tables of a codec, float32 [7, 256]:
 
     0. qmap (padded with its last value); 1. midpoints then +inf; 2. qmap then +inf;
-    3. coarse16: midpoints[16k+15] (16), qmap+inf[16k+15] (16)   -- first 4 search levels
+    3. coarse16: midpoints[16k+15] (16), qmap+inf[16k+15] (16)   -- first 4 search levels;
+       then at [32], [33] the grid (L, c) of the midpoints, or (0, 0): see ``midpoint_grid``
     4. coarse32: midpoints[8k+7] (32), qmap+inf[8k+7] (32)        -- 8-bit permute search
     5. columns of the midpoints: [j*32 + k] = midpoints[8k+j], j < 7
     6. columns of qmap+inf:      [j*32 + k] = qsearch[8k+j], j < 7
@@ -60,6 +83,7 @@ def codec_table(codec: Codec) -> torch.Tensor:
     coarse = torch.arange(15, TABLE_SIZE, 16)
     t[3, :16] = mids[coarse]
     t[3, 16:32] = qsearch[coarse]
+    t[3, 32], t[3, 33] = midpoint_grid(codec.midpoints)
     coarse32 = torch.arange(7, TABLE_SIZE, 8)
     t[4, :32] = mids[coarse32]
     t[4, 32:64] = qsearch[coarse32]

@@ -8,6 +8,7 @@
 // multiply-add is fused and results are bit-identical to the reference.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 

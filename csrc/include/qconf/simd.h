@@ -54,6 +54,8 @@ struct Isa {
   static I bits(F x) { return _mm512_castps_si512(x.v); }
   static F from_bits(I x) { return _mm512_castsi512_ps(x.v); }
   static F to_float(I x) { return _mm512_cvtepi32_ps(x.v); }  // exact for values < 2^24
+  // ceil(x) as int32; NaN and out-of-range lanes give INT32_MIN (the x86 "integer indefinite")
+  static I ceil_to_int(F x) { return _mm512_cvt_roundps_epi32(x.v, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   static M lt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ); }
   static M le(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
@@ -187,6 +189,7 @@ struct Isa {
   static I bits(F x) { return _mm256_castps_si256(x.v); }
   static F from_bits(I x) { return _mm256_castsi256_ps(x.v); }
   static F to_float(I x) { return _mm256_cvtepi32_ps(x.v); }
+  static I ceil_to_int(F x) { return _mm256_cvttps_epi32(_mm256_ceil_ps(x.v)); }
   static M lt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)); }
   static M le(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)); }
   static M gt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
@@ -258,6 +261,10 @@ struct Isa {
   static I bits(F x) { return f32_bits(x); }
   static F from_bits(I x) { return bits_f32(x); }
   static F to_float(I x) { return static_cast<float>(static_cast<int32_t>(x)); }
+  static I ceil_to_int(F x) {  // as the x86 conversion: NaN / out of range -> INT32_MIN
+    return (x >= -2147483648.0f && x < 2147483648.0f) ? static_cast<uint32_t>(static_cast<int32_t>(std::ceil(x)))
+                                                      : 0x80000000u;
+  }
   static M lt(F a, F b) { return a < b; }
   static M le(F a, F b) { return a <= b; }
   static M gt(F a, F b) { return a > b; }

@@ -705,7 +705,12 @@ struct Search256 {
   }
 };
 
-template <int BITS, bool SR>
+// GRID: nearest rounding onto a map whose midpoints are an exact binary grid (CodecDesc::grid):
+// no search. With z = n * L exact (L a power of two) and c = o + 1/2, o >= 0: z - c is exact
+// whenever z >= c / 2 (Sterbenz, or c a multiple of ulp(z)), and negative otherwise, so
+// ceil(z - c) clamped to [0, levels-1] is #{k : mid_k < n}; NaN converts to INT32_MIN -> code 0,
+// +inf is capped first -> the top code, like the search.
+template <int BITS, bool SR, bool GRID = false>
 struct FastQuantizer {
   const StateDesc& st;
   Probe16 near, sr;
@@ -724,9 +729,20 @@ struct FastQuantizer {
         qmap16(Isa::table16(s.codec.qmap)),
         near256(s.codec.coarse32_mids, s.codec.cols_mids),
         sr256(s.codec.coarse32_qsearch, s.codec.cols_qsearch),
-        qmap256(Isa::table256(s.codec.qmap)) {}
+        qmap256(Isa::table256(s.codec.qmap)),
+        grid_L(s.codec.grid[0]),
+        grid_c(s.codec.grid[1]),
+        grid_cap(static_cast<float>(s.codec.levels)),
+        top(static_cast<uint32_t>(s.codec.levels - 1)) {}
+  F grid_L, grid_c, grid_cap;
+  I top;
 
   I count_near(F n) const {
+    if constexpr (GRID) {
+      F y = n * grid_L - grid_c;
+      y = Isa::select(Isa::gt(y, grid_cap), grid_cap, y);
+      return Isa::min_i(Isa::max_i(Isa::ceil_to_int(y), I(0u)), top);
+    }
     if constexpr (BITS == 4) return near.count<false>(n);
     else if constexpr (Isa::kPermute256) return near256.count<false>(n);
     else return count256<false>(near, st.codec.mids, n);
@@ -771,9 +787,9 @@ struct FastQuantizer {
 
 inline float run_recip(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
 
-template <int BITS, bool SR>
+template <int BITS, bool SR, bool GRID = false>
 void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf) {
-  const FastQuantizer<BITS, SR> q(st);
+  const FastQuantizer<BITS, SR, GRID> q(st);
   if (!st.two_pass) {
     // all the tile's new block scales first (their reductions and divisions overlap), then one
     // quantize loop over the tile with a reciprocal per vector
@@ -996,10 +1012,13 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
     const StateDesc& st = t.st[k];
     if (st.kind != kQuant) continue;
     const bool sr = st.codec.stochastic != 0;
+    const bool grid = !sr && st.codec.grid[0] != 0.0f;
     if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k])
-                           : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k]);
+                      : grid ? quantize_fast<4, false, true>(st, t, start, n, b.s[k], b.sc[k])
+                             : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k]);
     else if (io_q8(io[k])) sr ? quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k])
-                                : quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
+                           : grid ? quantize_fast<8, false, true>(st, t, start, n, b.s[k], b.sc[k])
+                                  : quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
     else quantize(st, t, start, n, b.s[k], b.codes);
   }
   if (t.pdtype != kF32) {

@@ -36,6 +36,10 @@ struct CodecDesc {
   const float* coarse32_qsearch = nullptr;
   const float* cols_mids = nullptr;       // 7 x 32: [j*32 + k] = mids[8k + j]
   const float* cols_qsearch = nullptr;
+  // 2 entries (L, c): nonzero L means the midpoints are exactly (k + c) / L with L a power of two
+  // and c - 1/2 a non-negative integer, so the nearest code is clamp(ceil(n * L - c), 0, levels-1)
+  // computed exactly in fp32 (qconf/ops/step.py:codec_table)
+  const float* grid = nullptr;
 };
 
 // Points a codec at its lookup tables: `base` is one [kTableRows, 256] table of
@@ -50,6 +54,7 @@ inline void point_tables(CodecDesc& c, const float* base) {
   c.coarse32_qsearch = base + 4 * kTableSize + 32;
   c.cols_mids = base + 5 * kTableSize;
   c.cols_qsearch = base + 6 * kTableSize;
+  c.grid = base + 3 * kTableSize + 32;
 }
 
 // A codec's layout from 7 int64 columns written by Python (qconf/ops/step.py): bits, levels,
