@@ -134,6 +134,36 @@ def test_codec_sweep_matches_reference(scale, map, bits, rounding):
         _assert_same(ref, fus)
 
 
+@pytest.mark.parametrize("scale", ["rank1", "group", "dim1"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_non_finite_gradients_poison_the_same_scales(scale, bits):
+    # a NaN / inf gradient poisons its block's (or row's and column's) scale; later steps then
+    # dequantize with NaN scales (the kernel's NaN-row shortcuts must agree with the reference)
+    state = {"bits": bits, "scale": scale, "group_size": 64}
+    cfg = {"min_numel": 0, "states": {"exp_avg": state, "exp_avg_sq": {**state, "map": "power-1"}}}
+    shapes = [(48, 64), (3, 4, 32)]
+    runs = []
+    for fused in (False, True):
+        params = _params(shapes, torch.float32)
+        opt = AdamW(params, lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=fused)
+        for step in range(4):
+            for p, g in zip(params, _grads(shapes, step, torch.float32, False)):
+                if step in (1, 2):
+                    g.view(-1)[[5, 700][: g.numel() // 384]] = float("nan") if step == 1 else float("inf")
+                p.grad = g
+            opt.step()
+        runs.append((params, opt))
+    (p_ref, o_ref), (p_fus, o_fus) = runs
+    for a, b in zip(p_ref, p_fus):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+        for k, x in o_ref.state[a].items():
+            y = o_fus.state[b][k]
+            if isinstance(x, QTensor):
+                assert torch.equal(x.codes, y.codes), k
+                torch.testing.assert_close(y.scales, x.scales, rtol=0, atol=0, equal_nan=True)
+    assert any(torch.isnan(o_fus.state[p]["exp_avg"].scales).any() for p in p_fus)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     # power-1 unsigned maps have midpoints (k + 1.5) / 2**bits: the kernel computes their codes

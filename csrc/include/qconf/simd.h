@@ -73,6 +73,9 @@ struct Isa {
     return select(isnan(b), a, _mm512_min_ps(a.v, b.v));
   }
   static F fmax_nan(F a, F b) { return select(isnan(b), a, _mm512_max_ps(a.v, b.v)); }
+  // min(x, c) / max(x, c), and c when x is NaN (c a number)
+  static F min_or(F x, F c) { return _mm512_min_ps(x.v, c.v); }
+  static F max_or(F x, F c) { return _mm512_max_ps(x.v, c.v); }
   // 16-entry table held in a register, and gathers for larger tables
   using T16 = __m512;
   static T16 table16(const float* t) { return _mm512_loadu_ps(t); }
@@ -210,6 +213,8 @@ struct Isa {
   }
   static F fmin_nan(F a, F b) { return select(isnan(b), a, _mm256_min_ps(a.v, b.v)); }
   static F fmax_nan(F a, F b) { return select(isnan(b), a, _mm256_max_ps(a.v, b.v)); }
+  static F min_or(F x, F c) { return _mm256_min_ps(x.v, c.v); }
+  static F max_or(F x, F c) { return _mm256_max_ps(x.v, c.v); }
   struct T16 {
     __m256 lo, hi;
   };
@@ -280,6 +285,8 @@ struct Isa {
   static uint32_t hmax_u(I a) { return a; }
   static F fmin_nan(F a, F b) { return qconf::fmin_nan(a, b); }
   static F fmax_nan(F a, F b) { return qconf::fmax_nan(a, b); }
+  static F min_or(F x, F c) { return x < c ? x : c; }
+  static F max_or(F x, F c) { return x > c ? x : c; }
   using T16 = const float*;
   static T16 table16(const float* t) { return t; }
   static F lookup16(T16 t, I idx) { return t[idx]; }

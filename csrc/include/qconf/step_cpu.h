@@ -630,11 +630,16 @@ inline void fill_per_element(const CodecDesc& c, const TensorDesc& t, const floa
                        } else if (!comb) {
                          for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(vec + j));
                          for (; j < len; ++j) o[j] = vec[j];
-                       } else {
-                         const F v(cv);
-                         for (; j + W <= len; j += W)
-                           Isa::store(o + j, use_min ? Isa::fmin_nan(v, Isa::load(vec + j))
-                                                     : Isa::fmax_nan(v, Isa::load(vec + j)));
+                       } else if (cv != cv) {  // fmin_nan / fmax_nan(NaN, x) = x
+                         for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(vec + j));
+                         for (; j < len; ++j) o[j] = vec[j];
+                       } else {  // cv is a number: one min/max that yields cv for a NaN x
+                         const F v(cv);               // (scales and reciprocals are never -0)
+                         if (use_min) {
+                           for (; j + W <= len; j += W) Isa::store(o + j, Isa::min_or(Isa::load(vec + j), v));
+                         } else {
+                           for (; j + W <= len; j += W) Isa::store(o + j, Isa::max_or(Isa::load(vec + j), v));
+                         }
                          for (; j < len; ++j) o[j] = use_min ? fmin_nan(cv, vec[j]) : fmax_nan(cv, vec[j]);
                        }
                      });
@@ -854,12 +859,14 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
     float part = scales[lead[0]];
     for (int k = 1; k < nlead; ++k) part = fmin_nan(part, scales[lead[k]]);
     const F row_scale(part);
+    const bool row_nan = part != part;  // fmin_nan(NaN, col) = col
     const float* col_scale = scales + col;
     uint32_t* col_max = partial + col;
     I row_max(0u);
     for (int64_t j = 0; j < len; j += W) {
       __builtin_prefetch(g + off + j + kPrefetch, 0);  // pass 1 streams the gradient from memory
-      const F scale = Isa::fmin_nan(row_scale, Isa::load(col_scale + j));
+      const F col_j = Isa::load(col_scale + j);
+      const F scale = row_nan ? col_j : Isa::min_or(col_j, row_scale);
       F code_value;
       if constexpr (io_q4(IO)) code_value = Isa::lookup16_packed4(Isa::table16(in.qmap), codes + (off + j) / 2);
       else code_value = Isa::lookup256(in.q256, Isa::unpack8(codes + off + j));
