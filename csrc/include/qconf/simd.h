@@ -73,7 +73,7 @@ struct Isa {
     return select(isnan(b), a, _mm512_min_ps(a.v, b.v));
   }
   static F fmax_nan(F a, F b) { return select(isnan(b), a, _mm512_max_ps(a.v, b.v)); }
-  // min(x, c) / max(x, c), and c when x is NaN (c a number)
+  // x < c ? x : c and x > c ? x : c: c whenever either is NaN
   static F min_or(F x, F c) { return _mm512_min_ps(x.v, c.v); }
   static F max_or(F x, F c) { return _mm512_max_ps(x.v, c.v); }
   // 16-entry table held in a register, and gathers for larger tables

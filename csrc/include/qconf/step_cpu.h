@@ -689,24 +689,46 @@ inline I count256(const Probe16& coarse, const float* table, F x) {
 }
 
 // #{k : table[k] (<|<=) x} over a 256-entry sorted table with register tables only: a binary
-// search over the 32 entries [8k + 7] gives the block b, then the 7 entries [8b + j], j < 7, are
-// counted by permuting 7 "column" tables (column j holds [8k + j] for every k) by b.
+// search over the 32 entries [8b + 7] gives the block b (shifted copies of that table make each
+// probe a plain permute), then a 3-level binary search inside the block over the 7 "column"
+// tables (column j holds [8b + j] for every b), whose probes are permutes by b blended by the
+// earlier levels' outcomes: 8 compares in all.
 struct Search256 {
-  Isa::T32 coarse;
+  Isa::T32 coarse8, coarse4, coarse2, coarse1;  // coarse[b + 7], [b + 3], [b + 1], [b]
   Isa::T32 cols[7];
   float first;
   Search256(const float* coarse32, const float* columns) {
-    coarse = Isa::table32(coarse32);
+    alignas(64) float s8[32], s4[32], s2[32];
+    for (int j = 0; j < 32; ++j) {
+      s8[j] = coarse32[j + 7 < 32 ? j + 7 : 31];
+      s4[j] = coarse32[j + 3 < 32 ? j + 3 : 31];
+      s2[j] = coarse32[j + 1 < 32 ? j + 1 : 31];
+    }
+    coarse8 = Isa::table32(s8);
+    coarse4 = Isa::table32(s4);
+    coarse2 = Isa::table32(s2);
+    coarse1 = Isa::table32(coarse32);
     for (int j = 0; j < 7; ++j) cols[j] = Isa::table32(columns + 32 * j);
     first = coarse32[15];
   }
   template <bool Le>
   I count(F x) const {
     I b = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(16u), I(0u));
-    for (uint32_t s = 8; s > 0; s >>= 1) b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse, b + I(s - 1)), x), b, I(s));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse8, b), x), b, I(8u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse4, b), x), b, I(4u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse2, b), x), b, I(2u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse1, b), x), b, I(1u));
+    // inside block b: [8b + 3], then [8b + 1] or [8b + 5], then [8b + 0 | 2 | 4 | 6]
+    const auto k4 = cmp_le_lt<Le>(Isa::lookup32(cols[3], b), x);
+    const F t2 = Isa::select(k4, Isa::lookup32(cols[5], b), Isa::lookup32(cols[1], b));
+    const auto k2 = cmp_le_lt<Le>(t2, x);
+    const F lo = Isa::select(k2, Isa::lookup32(cols[2], b), Isa::lookup32(cols[0], b));
+    const F hi = Isa::select(k2, Isa::lookup32(cols[6], b), Isa::lookup32(cols[4], b));
+    const auto k1 = cmp_le_lt<Le>(Isa::select(k4, hi, lo), x);
     I c = b << 3;
-    for (int j = 0; j < 7; ++j) c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(cols[j], b), x), c, I(1u));
-    return c;
+    c = Isa::add_if(k4, c, I(4u));
+    c = Isa::add_if(k2, c, I(2u));
+    return Isa::add_if(k1, c, I(1u));
   }
 };
 
@@ -745,7 +767,7 @@ struct FastQuantizer {
   I count_near(F n) const {
     if constexpr (GRID) {
       F y = n * grid_L - grid_c;
-      y = Isa::select(Isa::gt(y, grid_cap), grid_cap, y);
+      y = Isa::min_or(grid_cap, y);  // cap +inf (keeps NaN: min_or yields y when y is NaN)
       return Isa::min_i(Isa::max_i(Isa::ceil_to_int(y), I(0u)), top);
     }
     if constexpr (BITS == 4) return near.count<false>(n);
