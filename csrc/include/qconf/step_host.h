@@ -114,8 +114,10 @@ inline void describe_quant(const int64_t* sm, const at::Tensor& a, const at::Ten
   TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == st.num_scales && b.is_contiguous(),
               "qconf fused_step: scales of ", what, " ", k, " of parameter ", i, " must be ", st.num_scales,
               " contiguous float32");
-  st.codes = a.data_ptr<uint8_t>();
-  st.scales = b.data_ptr<float>();
+  // dtypes checked above; the untyped data_ptr skips the typed one's repeated checks (this runs
+  // for every state of every parameter on every step)
+  st.codes = static_cast<uint8_t*>(a.data_ptr());
+  st.scales = static_cast<float*>(b.data_ptr());
 }
 
 // The per-tensor descriptions of one call.
@@ -176,7 +178,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     const at::Tensor& step = steps[i];
     TORCH_CHECK(step.scalar_type() == at::kFloat && step.numel() == 1 && step.device().is_cpu(),
                 "qconf fused_step: step ", i, " must be a one-element float32 CPU tensor");
-    float* step_ptr = step.data_ptr<float>();
+    float* step_ptr = static_cast<float*>(step.data_ptr());
     *step_ptr += 1.0f;
     const double step_value = static_cast<double>(*step_ptr);
     t.h = make_scalars(rule, hyper, step_value, m[kColFirst] != 0);
@@ -194,7 +196,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
                     "qconf fused_step: fp32 state ", k, " of parameter ", i, " must be a contiguous float32 tensor of ",
                     t.numel, " elements");
         check_state_device(a, i);
-        st.values = a.data_ptr<float>();
+        st.values = static_cast<float*>(a.data_ptr());
       } else if (st.kind == kQuant) {
         describe_quant(sm, a, b, t, tab, ntab, i, "state", k, st);
         check_state_device(a, i);
