@@ -23,7 +23,7 @@ struct Buffers {
   float* g;
   float* p;
   float* s[2];   // new state values
-  float* sc[2];  // per-element scales / reciprocals
+  float* sc[2];  // old scales, then reciprocals (per vector or per element)
   float* vhat;
   uint32_t* codes;
   float* storage;
@@ -491,14 +491,15 @@ inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
 
 
 // ---------------------------------------------------------------------------------------------
-// Tile pipeline. Each stage is a tight loop specialized at compile time; per-element scales are
-// written to a buffer first, so the main loop never branches on layouts:
+// Tile pipeline. Each stage is a tight loop specialized at compile time; old scales are written
+// to a buffer first (one per vector or per element), so the main loop never branches on layouts:
 //   1. gradient / parameter as fp32 (pointers into fp32 tensors, converted copies otherwise)
-//   2. per quantized state: per-element old scales (for 4/8-bit codes), or a full generic dequant
+//   2. per quantized state: old scales (for 4/8-bit codes), or a full generic dequant
 //   3. main loop, specialized on the two state formats: dequantize 4/8-bit codes in registers,
 //      apply the rule, write new values (fp32 states in place on the final pass)
-//   4. pass 1: fold absmax into the thread's partials and stop; final pass: per block new scale
-//      (single-pass) or per-element new reciprocals (two-pass), quantize, pack
+//   4. pass 1: fold absmax into the thread's partials and stop (rank-1 states: rank1_reduce does
+//      2-4 in one loop); final pass: the tile's new block scales (single-pass) or per-element new
+//      reciprocals (two-pass), then quantize and pack
 //   kIOQ4/kIOQ8: 4/8-bit codes with per-element old scales (two-pass layouts: rank1, dim1, ...)
 //   kIOQ4B/kIOQ8B: the same codes with one old scale per vector (single-pass blocks, block % W == 0)
 enum StateIO : int { kIONone = 0, kIOF32 = 1, kIOQ4 = 4, kIOQ4B = 5, kIOQ8 = 8, kIOQ8B = 9 };
