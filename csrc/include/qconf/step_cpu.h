@@ -179,6 +179,17 @@ inline void for_each_rank1_row(const TensorDesc& t, int64_t start, int64_t n, Fn
   }
 }
 
+// rank1: the value a row contributes, combined over its leading dims' slots lead[0..nlead):
+// scales with fmin (dequantize) or reciprocals with fmax (quantize), NaN-ignoring
+inline float rank1_row_part(const float* vals, const int64_t* lead, int nlead, bool use_min) {
+  float part = vals[lead[0]];
+  for (int k = 1; k < nlead; ++k) part = use_min ? fmin_nan(part, vals[lead[k]]) : fmax_nan(part, vals[lead[k]]);
+  return part;
+}
+
+// max of a partial maximum (abs bit patterns) and m
+inline void fold_max(uint32_t* dst, uint32_t m) { *dst = m > *dst ? m : *dst; }
+
 // ---------------------------------------------------------------------------------------------
 // scale layout walker: calls fn(offset, len, c, vec, combine) for each run of elements of the
 // tile [start, start+n) whose per-element value is `c` (vec == nullptr), `vec[j]`, or
@@ -215,10 +226,7 @@ inline void for_each_scale_run(const CodecDesc& c, const TensorDesc& t, const fl
     }
   } else {  // kRank1, ndim >= 2: combine the leading dims' values of each row
     for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
-      float part = vals[lead[0]];
-      for (int k = 1; k < nlead; ++k)
-        part = use_min ? fmin_nan(part, vals[lead[k]]) : fmax_nan(part, vals[lead[k]]);
-      fn(off, len, part, vals + col, true);
+      fn(off, len, rank1_row_part(vals, lead, nlead, use_min), vals + col, true);
     });
   }
 }
@@ -410,13 +418,12 @@ inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t star
       dst[j] = b > dst[j] ? b : dst[j];
     }
   };
-  auto fold_one = [](uint32_t* dst, uint32_t m) { *dst = m > *dst ? m : *dst; };
   const int64_t end = start + n;
   if (c.scale_kind == kBlock) {
     for (int64_t i = start; i < end;) {
       const int64_t blk = i / c.block;
       const int64_t e = (blk + 1) * c.block < end ? (blk + 1) * c.block : end;
-      fold_one(partial + blk, absmax_bits(x + (i - start), e - i));
+      fold_max(partial + blk, absmax_bits(x + (i - start), e - i));
       i = e;
     }
   } else if (c.scale_kind == kDim1) {
@@ -429,7 +436,7 @@ inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t star
       } else {
         const int64_t run = i / c.inner;
         const int64_t e = (run + 1) * c.inner < end ? (run + 1) * c.inner : end;
-        fold_one(partial + run % c.d1, absmax_bits(x + (i - start), e - i));
+        fold_max(partial + run % c.d1, absmax_bits(x + (i - start), e - i));
         i = e;
       }
     }
@@ -437,7 +444,7 @@ inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t star
     for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
       const float* v = x + off;
       const uint32_t m = absmax_bits(v, len);
-      for (int k = 0; k < nlead; ++k) fold_one(partial + lead[k], m);
+      for (int k = 0; k < nlead; ++k) fold_max(partial + lead[k], m);
       fold_vec(partial + col, v, len);
     });
   }
@@ -522,14 +529,19 @@ inline F old_scale(const StateIn& s, int64_t i) {
   else return Isa::load(s.scale + i);
 }
 
+// qmap[code] of elements i .. i+W-1 of the tile (4/8-bit kinds)
+template <int IO>
+inline F code_value(const StateIn& s, int64_t i) {
+  if constexpr (io_q4(IO)) return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + i / 2);
+  else return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i));
+}
+
 template <int IO>
 inline F load_state(const StateIn& s, int64_t i) {
   if constexpr (IO == kIOF32) {
     return Isa::load(s.values + i);
-  } else if constexpr (io_q4(IO)) {
-    return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + i / 2) * old_scale<IO>(s, i);
-  } else if constexpr (io_q8(IO)) {
-    return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i)) * old_scale<IO>(s, i);
+  } else if constexpr (io_q4(IO) || io_q8(IO)) {
+    return code_value<IO>(s, i) * old_scale<IO>(s, i);
   } else {
     return F(0.0f);
   }
@@ -879,8 +891,7 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
   in.qmap = st.codec.qmap;
   if constexpr (io_q8(IO)) in.q256 = Isa::table256(st.codec.qmap);
   for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
-    float part = scales[lead[0]];
-    for (int k = 1; k < nlead; ++k) part = fmin_nan(part, scales[lead[k]]);
+    const float part = rank1_row_part(scales, lead, nlead, true);
     const F row_scale(part);
     const bool row_nan = part != part;  // fmin_nan(NaN, col) = col
     const float* col_scale = scales + col;
@@ -890,19 +901,16 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
       __builtin_prefetch(g + off + j + kPrefetch, 0);  // pass 1 streams the gradient from memory
       const F col_j = Isa::load(col_scale + j);
       const F scale = row_nan ? col_j : Isa::min_or(col_j, row_scale);
-      F code_value;
-      if constexpr (io_q4(IO)) code_value = Isa::lookup16_packed4(Isa::table16(in.qmap), codes + (off + j) / 2);
-      else code_value = Isa::lookup256(in.q256, Isa::unpack8(codes + off + j));
       F P = Isa::load(p + off + j);
       F S[2] = {F(0.0f), F(0.0f)};
-      S[K] = code_value * scale;
+      S[K] = code_value<IO>(in, off + j) * scale;
       Rule::apply(P, Isa::load(g + off + j), S[0], S[1], h, true);
       const I a = Isa::bits(S[K]) & mask;
       row_max = Isa::max_u(row_max, a);
       Isa::store_i(col_max + j, Isa::max_u(Isa::load_i(col_max + j), a));
     }
     const uint32_t m = Isa::hmax_u(row_max);
-    for (int k = 0; k < nlead; ++k) partial[lead[k]] = m > partial[lead[k]] ? m : partial[lead[k]];
+    for (int k = 0; k < nlead; ++k) fold_max(partial + lead[k], m);
   });
 }
 
