@@ -64,8 +64,11 @@ def codec_table(codec: Codec) -> torch.Tensor:
 
     0. qmap (padded with its last value); 1. midpoints then +inf; 2. qmap then +inf;
     3. coarse16: midpoints[16k+15] (16), qmap+inf[16k+15] (16)   -- first 4 search levels;
-       then at [32], [33] the grid (L, c) of the midpoints, or (0, 0): see ``midpoint_grid``
-    4. coarse32: midpoints[8k+7] (32), qmap+inf[8k+7] (32)        -- 8-bit permute search
+       then at [32], [33] the grid (L, c) of the midpoints, or (0, 0): see ``midpoint_grid``;
+       then from [64] the 16-entry search tables shifted by 3 and by 1 (``t[min(j + s, 15)]``),
+       16 each: midpoints[:16], qmap+inf[:16], coarse16 midpoints, coarse16 qmap+inf
+    4. coarse32: midpoints[8k+7] (32), qmap+inf[8k+7] (32)        -- 8-bit permute search;
+       then from [64] both shifted by 7, 3 and 1 (``t[min(j + s, 31)]``), 32 each
     5. columns of the midpoints: [j*32 + k] = midpoints[8k+j], j < 7
     6. columns of qmap+inf:      [j*32 + k] = qsearch[8k+j], j < 7
     """
@@ -87,6 +90,12 @@ def codec_table(codec: Codec) -> torch.Tensor:
     coarse32 = torch.arange(7, TABLE_SIZE, 8)
     t[4, :32] = mids[coarse32]
     t[4, 32:64] = qsearch[coarse32]
+    # shifted copies: a binary-search probe table[c + s - 1] becomes a plain permute at c
+    def shifted(table: torch.Tensor, steps: tuple[int, ...]) -> torch.Tensor:
+        n = table.numel()
+        return torch.cat([table[(torch.arange(n) + s).clamp(max=n - 1)] for s in steps])
+    t[3, 64:192] = torch.cat([shifted(x, (3, 1)) for x in (mids[:16], qsearch[:16], t[3, :16], t[3, 16:32])])
+    t[4, 64:256] = torch.cat([shifted(x, (7, 3, 1)) for x in (t[4, :32], t[4, 32:64])])
     cols = torch.arange(32) * 8
     for j in range(7):
         t[5, j * 32:(j + 1) * 32] = mids[cols + j]

@@ -666,21 +666,13 @@ inline Isa::M cmp_le_lt(F a, F b) {
 }
 
 // 16-entry register tables shifted by the binary-search step: probe(c, s) = table[c + s - 1]
-// becomes a plain permute of table_s at c (no index add)
+// becomes a plain permute of table_s at c (no index add). `shifted` holds table shifted by 3 then
+// by 1 (CodecDesc::shifted16_*, built once with the codec tables, not per tile).
 struct Probe16 {
   Isa::T16 t4, t2, t1;
   float first;  // table[7]: the first probe is the same for every lane
-  explicit Probe16(const float* table) {
-    alignas(64) float s4[16], s2[16];
-    for (int j = 0; j < 16; ++j) {
-      s4[j] = table[j + 3 < 16 ? j + 3 : 15];
-      s2[j] = table[j + 1 < 16 ? j + 1 : 15];
-    }
-    t4 = Isa::table16(s4);
-    t2 = Isa::table16(s2);
-    t1 = Isa::table16(table);
-    first = table[7];
-  }
+  Probe16(const float* table, const float* shifted)
+      : t4(Isa::table16(shifted)), t2(Isa::table16(shifted + 16)), t1(Isa::table16(table)), first(table[7]) {}
   // #{k < 16 : table[k] < x} (Le=false) or <= x (Le=true) for sorted, +inf padded tables
   template <bool Le>
   I count(F x) const {
@@ -702,24 +694,18 @@ inline I count256(const Probe16& coarse, const float* table, F x) {
 }
 
 // #{k : table[k] (<|<=) x} over a 256-entry sorted table with register tables only: a binary
-// search over the 32 entries [8b + 7] gives the block b (shifted copies of that table make each
-// probe a plain permute), then a 3-level binary search inside the block over the 7 "column"
+// search over the 32 entries [8b + 7] gives the block b (copies of that table shifted by 7, 3, 1,
+// CodecDesc::shifted32_*, make each probe a plain permute), then a 3-level binary search inside the block over the 7 "column"
 // tables (column j holds [8b + j] for every b), whose probes are permutes by b blended by the
 // earlier levels' outcomes: 8 compares in all.
 struct Search256 {
   Isa::T32 coarse8, coarse4, coarse2, coarse1;  // coarse[b + 7], [b + 3], [b + 1], [b]
   Isa::T32 cols[7];
   float first;
-  Search256(const float* coarse32, const float* columns) {
-    alignas(64) float s8[32], s4[32], s2[32];
-    for (int j = 0; j < 32; ++j) {
-      s8[j] = coarse32[j + 7 < 32 ? j + 7 : 31];
-      s4[j] = coarse32[j + 3 < 32 ? j + 3 : 31];
-      s2[j] = coarse32[j + 1 < 32 ? j + 1 : 31];
-    }
-    coarse8 = Isa::table32(s8);
-    coarse4 = Isa::table32(s4);
-    coarse2 = Isa::table32(s2);
+  Search256(const float* coarse32, const float* shifted, const float* columns) {
+    coarse8 = Isa::table32(shifted);
+    coarse4 = Isa::table32(shifted + 32);
+    coarse2 = Isa::table32(shifted + 64);
     coarse1 = Isa::table32(coarse32);
     for (int j = 0; j < 7; ++j) cols[j] = Isa::table32(columns + 32 * j);
     first = coarse32[15];
@@ -761,14 +747,16 @@ struct FastQuantizer {
   Isa::T256 qmap256;
   explicit FastQuantizer(const StateDesc& s)
       : st(s),
-        near(BITS == 4 ? s.codec.mids : s.codec.coarse_mids),
-        sr(BITS == 4 ? s.codec.qsearch : s.codec.coarse_qsearch),
+        near(BITS == 4 ? s.codec.mids : s.codec.coarse_mids,
+             BITS == 4 ? s.codec.shifted16_mids : s.codec.shifted16_coarse_mids),
+        sr(BITS == 4 ? s.codec.qsearch : s.codec.coarse_qsearch,
+           BITS == 4 ? s.codec.shifted16_qsearch : s.codec.shifted16_coarse_qsearch),
         q0(s.codec.qmap[0]),
         qL(s.codec.qmap[s.codec.levels - 1]),
         lo_max(static_cast<uint32_t>(s.codec.levels - 2)),
         qmap16(Isa::table16(s.codec.qmap)),
-        near256(s.codec.coarse32_mids, s.codec.cols_mids),
-        sr256(s.codec.coarse32_qsearch, s.codec.cols_qsearch),
+        near256(s.codec.coarse32_mids, s.codec.shifted32_mids, s.codec.cols_mids),
+        sr256(s.codec.coarse32_qsearch, s.codec.shifted32_qsearch, s.codec.cols_qsearch),
         qmap256(Isa::table256(s.codec.qmap)),
         grid_L(s.codec.grid[0]),
         grid_c(s.codec.grid[1]),

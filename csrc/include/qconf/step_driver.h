@@ -25,8 +25,8 @@ constexpr int kMetaCols = kColComp + kStateCols;
 // Kahan buffer (values|codes), its scales
 constexpr int kStateSlots = 8;
 // tables: float32 [N, kTableRows, 256]: qmap, midpoints(+inf), qmap(+inf), coarse16 (16 mids,
-// 16 qmap), coarse32 (32 mids, 32 qmap), mids columns (7 x 32), qmap columns (7 x 32); see
-// qconf/ops/step.py codec_table
+// 16 qmap, midpoint grid, shifted 16-entry search tables), coarse32 (32 mids, 32 qmap, their
+// shifted copies), mids columns (7 x 32), qmap columns (7 x 32); see qconf/ops/step.py codec_table
 constexpr int kTableRows = 7;
 // hyper: lr, beta1, beta2, eps, weight_decay, momentum, dampening, maximize, nesterov, decoupled
 constexpr size_t kHyperLen = 10;

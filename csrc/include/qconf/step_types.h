@@ -36,6 +36,15 @@ struct CodecDesc {
   const float* coarse32_qsearch = nullptr;
   const float* cols_mids = nullptr;       // 7 x 32: [j*32 + k] = mids[8k + j]
   const float* cols_qsearch = nullptr;
+  // the search tables shifted by the binary-search steps (t[min(j + s, n - 1)]), so each probe is
+  // a plain permute: [s=3 (16), s=1 (16)] of mids[:16], qsearch[:16], coarse_mids, coarse_qsearch;
+  // [s=7, 3, 1 (32 each)] of coarse32_mids, coarse32_qsearch
+  const float* shifted16_mids = nullptr;
+  const float* shifted16_qsearch = nullptr;
+  const float* shifted16_coarse_mids = nullptr;
+  const float* shifted16_coarse_qsearch = nullptr;
+  const float* shifted32_mids = nullptr;
+  const float* shifted32_qsearch = nullptr;
   // 2 entries (L, c): nonzero L means the midpoints are exactly (k + c) / L with L a power of two
   // and c - 1/2 a non-negative integer, so the nearest code is clamp(ceil(n * L - c), 0, levels-1)
   // computed exactly in fp32 (qconf/ops/step.py:codec_table)
@@ -55,6 +64,12 @@ inline void point_tables(CodecDesc& c, const float* base) {
   c.cols_mids = base + 5 * kTableSize;
   c.cols_qsearch = base + 6 * kTableSize;
   c.grid = base + 3 * kTableSize + 32;
+  c.shifted16_mids = base + 3 * kTableSize + 64;
+  c.shifted16_qsearch = base + 3 * kTableSize + 96;
+  c.shifted16_coarse_mids = base + 3 * kTableSize + 128;
+  c.shifted16_coarse_qsearch = base + 3 * kTableSize + 160;
+  c.shifted32_mids = base + 4 * kTableSize + 64;
+  c.shifted32_qsearch = base + 4 * kTableSize + 160;
 }
 
 // A codec's layout from 7 int64 columns written by Python (qconf/ops/step.py): bits, levels,
