@@ -196,6 +196,41 @@ def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     assert torch.equal(buf.scales, torch.ones_like(buf.scales))  # the values were normalized by 1
 
 
+@pytest.mark.parametrize("map,signed", [("nonlinear", True), ("nonlinear", False), ("linear", True),
+                                        ("float-point", True), ("power-2", True), ("power-2", False)])
+def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed):
+    # 8-bit maps with octave lines (ops.octave_lines) take the line estimate plus one probe in the
+    # kernel. SGD's first step stores the gradient as the momentum buffer with a 1.0 in every
+    # block of 64, so the normalized values are exactly every point where the estimate could go
+    # wrong (all in [-1, 1]), plus a block with NaN and one with inf. (Unsigned power-2 has no
+    # lines: the search, for comparison.) An odd number of vectors exercises the unpaired tail.
+    from qconf.codec import Codec
+    from qconf.ops.octave_lines import _interval_ends
+    from qconf.ops.step import codec_table
+
+    codec = Codec(bits=8, map=map, signed=signed, scale="group", group_size=64)
+    row = codec_table(codec)[7]
+    assert bool(row.any()) == ((map, signed) != ("power-2", False))
+    ends = _interval_ends(row, codec.midpoints) if row.any() else torch.cat([codec.midpoints] * 3)
+    values = ends[torch.isfinite(ends) & (ends.abs() <= 1)]
+    blocks = list(values.split(63)) + [torch.tensor([float("nan"), 0.5]), torch.tensor([float("inf"), -0.25])]
+    grad = torch.cat([torch.cat([torch.ones(1), b, torch.zeros(63 - b.numel())]) for b in blocks] + [torch.ones(16)])
+    assert (grad.numel() // 16) % 2 == 1
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": 8, "map": map, "signed": signed,
+                                                  "scale": "group", "group_size": 64}}}
+    runs = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(torch.zeros(grad.numel()))
+        opt = SGD([p], lr=0.1, momentum=0.9, qconfig=cfg, fused=fused)
+        p.grad = grad.clone()
+        opt.step()
+        runs.append(([p], opt))
+    (p_ref, o_ref), (p_fus, o_fus) = runs
+    a, b = o_ref.state[p_ref[0]]["momentum_buffer"], o_fus.state[p_fus[0]]["momentum_buffer"]
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(b.scales[:-3], torch.ones_like(b.scales[:-3]))  # normalized by 1
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 5, 6, 7])
 def test_other_widths_are_fused_and_match(bits):
     cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": bits, "map": "linear" if bits > 1 else "power-1"},

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..codec import Codec, QTensor
+from .octave_lines import octave_lines
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..optim.base import QOptimizer
@@ -29,7 +30,7 @@ COL_WEIGHTS = COL_STATE + 2 * STATE_COLS  # bit 0: stochastic rounding, bit 1: K
 COL_COMP = COL_WEIGHTS + 1                # the Kahan buffer, described like a state
 META_COLS = COL_COMP + STATE_COLS
 STATE_SLOTS = 8
-TABLE_ROWS, TABLE_SIZE = 7, 256
+TABLE_ROWS, TABLE_SIZE = 8, 256
 KIND_NONE, KIND_FP32, KIND_QUANT, KIND_PARAM_DTYPE = 0, 1, 2, 3
 SCALE_BLOCK, SCALE_DIM1, SCALE_RANK1 = 0, 1, 2
 RULES = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2}
@@ -60,7 +61,7 @@ def midpoint_grid(mids: torch.Tensor) -> tuple[float, float]:
 
 
 def codec_table(codec: Codec) -> torch.Tensor:
-    """The kernel's lookup tables of a codec, float32 [7, 256]:
+    """The kernel's lookup tables of a codec, float32 [8, 256]:
 
     0. qmap (padded with its last value); 1. midpoints then +inf; 2. qmap then +inf;
     3. coarse16: midpoints[16k+15] (16), qmap+inf[16k+15] (16)   -- first 4 search levels;
@@ -71,6 +72,7 @@ def codec_table(codec: Codec) -> torch.Tensor:
        then from [64] both shifted by 7, 3 and 1 (``t[min(j + s, 31)]``), 32 each
     5. columns of the midpoints: [j*32 + k] = midpoints[8k+j], j < 7
     6. columns of qmap+inf:      [j*32 + k] = qsearch[8k+j], j < 7
+    7. 8-bit maps: the octave lines of the midpoints (``ops.octave_lines``), or zeros (search)
     """
     qmap = codec.qmap
     levels = qmap.numel()
@@ -100,6 +102,9 @@ def codec_table(codec: Codec) -> torch.Tensor:
     for j in range(7):
         t[5, j * 32:(j + 1) * 32] = mids[cols + j]
         t[6, j * 32:(j + 1) * 32] = qsearch[cols + j]
+    lines = octave_lines(codec.midpoints) if codec.bits == 8 else None
+    if lines is not None:
+        t[7] = lines
     return t
 
 

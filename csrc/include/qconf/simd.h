@@ -56,6 +56,8 @@ struct Isa {
   static F to_float(I x) { return _mm512_cvtepi32_ps(x.v); }  // exact for values < 2^24
   // ceil(x) as int32; NaN and out-of-range lanes give INT32_MIN (the x86 "integer indefinite")
   static I ceil_to_int(F x) { return _mm512_cvt_roundps_epi32(x.v, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
+  // x rounded half to even as int32 (whatever the MXCSR mode); NaN / out of range -> INT32_MIN
+  static I rint_to_int(F x) { return _mm512_cvt_roundps_epi32(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static M lt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ); }
   static M le(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
@@ -107,6 +109,42 @@ struct Isa {
     const __m512 w2 = _mm512_mask_blend_ps(b5, v[4], v[5]), w3 = _mm512_mask_blend_ps(b5, v[6], v[7]);
     const __m512 x0 = _mm512_mask_blend_ps(b6, w0, w1), x1 = _mm512_mask_blend_ps(b6, w2, w3);
     return _mm512_mask_blend_ps(b7, x0, x1);
+  }
+  // The same table as two 16-bit planes (low and high halves of each entry, 64 per register
+  // pair): vpermt2w looks up 32 lanes at once, so two index vectors take 8 permutes + 6 blends
+  // per plane and one pack, against 2 x (8 + 7) for two lookup256.
+  struct T256W {
+    __m512i lo[8], hi[8];
+  };
+  static inline __attribute__((always_inline)) T256W table256w(const float* t) {
+    T256W out;
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
+                                          26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    for (int q = 0; q < 8; ++q) {
+      const __m512i a = _mm512_loadu_si512(t + 32 * q), b = _mm512_loadu_si512(t + 32 * q + 16);
+      out.lo[q] = _mm512_permutex2var_epi16(a, even, b);
+      out.hi[q] = _mm512_permutex2var_epi16(a, odd, b);
+    }
+    return out;
+  }
+  // t[i0], t[i1] for indices < 256. Word p = 8L + 4h + j of the packed index is element 4L + j of
+  // vector h, so unpacking the two result planes (per 128-bit lane L) gives both in lane order.
+  static inline __attribute__((always_inline)) void lookup256x2(const T256W& t, I i0, I i1, F& v0, F& v1) {
+    const __m512i pack = _mm512_set_epi16(62, 60, 58, 56, 30, 28, 26, 24, 54, 52, 50, 48, 22, 20, 18, 16, 46, 44,
+                                          42, 40, 14, 12, 10, 8, 38, 36, 34, 32, 6, 4, 2, 0);
+    const __m512i w = _mm512_permutex2var_epi16(i0.v, pack, i1.v);
+    const __mmask32 b6 = _mm512_test_epi16_mask(w, _mm512_set1_epi16(64));
+    const __mmask32 b7 = _mm512_test_epi16_mask(w, _mm512_set1_epi16(128));
+    __m512i plane[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i* r = h == 0 ? t.lo : t.hi;
+      const __m512i a = _mm512_permutex2var_epi16(r[0], w, r[1]), b = _mm512_permutex2var_epi16(r[2], w, r[3]);
+      const __m512i c = _mm512_permutex2var_epi16(r[4], w, r[5]), d = _mm512_permutex2var_epi16(r[6], w, r[7]);
+      plane[h] = _mm512_mask_blend_epi16(b7, _mm512_mask_blend_epi16(b6, a, b), _mm512_mask_blend_epi16(b6, c, d));
+    }
+    v0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(plane[0], plane[1]));
+    v1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(plane[0], plane[1]));
   }
   // dtype conversions
   static F load_bf16(const uint16_t* p) {
@@ -193,6 +231,7 @@ struct Isa {
   static F from_bits(I x) { return _mm256_castsi256_ps(x.v); }
   static F to_float(I x) { return _mm256_cvtepi32_ps(x.v); }
   static I ceil_to_int(F x) { return _mm256_cvttps_epi32(_mm256_ceil_ps(x.v)); }
+  static I rint_to_int(F x) { return _mm256_cvttps_epi32(_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
   static M lt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)); }
   static M le(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)); }
   static M gt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
@@ -232,6 +271,9 @@ struct Isa {
   using T256 = const float*;
   static T256 table256(const float* t) { return t; }
   static F lookup256(T256 t, I idx) { return gather(t, idx); }
+  using T256W = const float*;
+  static T256W table256w(const float* t) { return t; }
+  static void lookup256x2(T256W t, I i0, I i1, F& v0, F& v1) { v0 = gather(t, i0), v1 = gather(t, i1); }
   static F load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
@@ -270,6 +312,13 @@ struct Isa {
     return (x >= -2147483648.0f && x < 2147483648.0f) ? static_cast<uint32_t>(static_cast<int32_t>(std::ceil(x)))
                                                       : 0x80000000u;
   }
+  static I rint_to_int(F x) {  // half to even, independent of the FP environment
+    if (!(x >= -2147483648.0f && x < 2147483648.0f)) return 0x80000000u;
+    float f = std::floor(x);
+    const float d = x - f;  // exact
+    if (d > 0.5f || (d == 0.5f && std::fmod(f, 2.0f) != 0.0f)) f += 1.0f;
+    return static_cast<uint32_t>(static_cast<int32_t>(f));
+  }
   static M lt(F a, F b) { return a < b; }
   static M le(F a, F b) { return a <= b; }
   static M gt(F a, F b) { return a > b; }
@@ -298,6 +347,9 @@ struct Isa {
   using T256 = const float*;
   static T256 table256(const float* t) { return t; }
   static F lookup256(T256 t, I idx) { return t[idx]; }
+  using T256W = const float*;
+  static T256W table256w(const float* t) { return t; }
+  static void lookup256x2(T256W t, I i0, I i1, F& v0, F& v1) { v0 = t[i0], v1 = t[i1]; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }

@@ -520,8 +520,34 @@ struct StateIn {
   const uint8_t* codes = nullptr; // kIOQ4/kIOQ8: packed codes of the tile
   const float* scale = nullptr;   // old scales of the tile: per element, or per vector (kIOQ*B)
   const float* qmap = nullptr;
-  Isa::T256 q256{};               // kIOQ8: the map as a register table (filled only then)
+  Isa::T256 q256{};               // kIOQ8: the map as a table (filled only then), or on
+  const float* decoded = nullptr; // kPermute256 ISAs qmap[code] of the whole tile (decode8)
 };
+
+// qmap[code] of n 8-bit codes (n a multiple of W) into out: two vectors per paired word-plane
+// lookup, half the permutes of looking them up one vector at a time in the main loop
+inline void decode8(const uint8_t* codes, const float* qmap, int64_t n, float* out) {
+  const Isa::T256W t = Isa::table256w(qmap);
+  for (int64_t i = 0; i < n; i += 2 * W) {
+    __builtin_prefetch(codes + i + kPrefetch, 0);  // the next tile's codes, like the main loop's p, g
+    const I c0 = Isa::unpack8(codes + i), c1 = i + W < n ? Isa::unpack8(codes + i + W) : c0;
+    F v0, v1;
+    Isa::lookup256x2(t, c0, c1, v0, v1);
+    Isa::store(out + i, v0);
+    if (i + W < n) Isa::store(out + i + W, v1);
+  }
+}
+
+// Fills s for the 8-bit codes of state st in a tile: decoded into `scratch` ahead of the loop
+// that reads them (kPermute256 ISAs), or the map as a table for per-vector lookups
+inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* scratch) {
+  if constexpr (Isa::kPermute256) {
+    decode8(s.codes, st.codec.qmap, n, scratch);
+    s.decoded = scratch;
+  } else {
+    s.q256 = Isa::table256(st.codec.qmap);
+  }
+}
 
 template <int IO>
 inline F old_scale(const StateIn& s, int64_t i) {
@@ -533,6 +559,7 @@ inline F old_scale(const StateIn& s, int64_t i) {
 template <int IO>
 inline F code_value(const StateIn& s, int64_t i) {
   if constexpr (io_q4(IO)) return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + i / 2);
+  else if constexpr (Isa::kPermute256) return Isa::load(s.decoded + i);
   else return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i));
 }
 
@@ -731,12 +758,21 @@ struct Search256 {
   }
 };
 
-// GRID: nearest rounding onto a map whose midpoints are an exact binary grid (CodecDesc::grid):
+// How nearest rounding finds a code: the binary search over the midpoints, or one of two
+// arithmetic shortcuts that the codec table enables only where they are exact for every input.
+enum Near : int { kNearSearch = 0, kNearGrid = 1, kNearLinesUnsigned = 2, kNearLinesSigned = 3 };
+
+// kNearGrid: nearest rounding onto a map whose midpoints are an exact binary grid (CodecDesc::grid):
 // no search. With z = n * L exact (L a power of two) and c = o + 1/2, o >= 0: z - c is exact
 // whenever z >= c / 2 (Sterbenz, or c a multiple of ulp(z)), and negative otherwise, so
 // ceil(z - c) clamped to [0, levels-1] is #{k : mid_k < n}; NaN converts to INT32_MIN -> code 0,
 // +inf is capped first -> the top code, like the search.
-template <int BITS, bool SR, bool GRID = false>
+// kNearLines*: 8-bit maps that are linear per octave of |n| (one or two lines each:
+// qconf/ops/octave_lines.py, which proves the estimate for every float32): j = a * S + A
+// (mirrored, K - j, for negative n of signed maps) lands within one code below the answer, so
+// r = clamp(rint(j)) and one probe of the midpoints, r + (mid[r] < n), replace the 8-compare
+// search: ~2/3 of the operations and a much shorter dependency chain.
+template <int BITS, bool SR, int NEAR = kNearSearch>
 struct FastQuantizer {
   const StateDesc& st;
   Probe16 near, sr;
@@ -761,12 +797,55 @@ struct FastQuantizer {
         grid_L(s.codec.grid[0]),
         grid_c(s.codec.grid[1]),
         grid_cap(static_cast<float>(s.codec.levels)),
-        top(static_cast<uint32_t>(s.codec.levels - 1)) {}
+        top(static_cast<uint32_t>(s.codec.levels - 1)),
+        slope1(Isa::table32(s.codec.lines)),
+        offset1(Isa::table32(s.codec.lines + 32)),
+        slope2(Isa::table32(s.codec.lines + 64)),
+        offset2(Isa::table32(s.codec.lines + 96)),
+        breakpoint(Isa::table32(s.codec.lines + 128)),
+        mirror(s.codec.lines[160]),
+        mids256(Isa::table256w(s.codec.mids)) {}
   F grid_L, grid_c, grid_cap;
   I top;
+  Isa::T32 slope1, offset1, slope2, offset2, breakpoint;
+  F mirror;
+  Isa::T256W mids256;
+  static constexpr bool kLines = NEAR == kNearLinesUnsigned || NEAR == kNearLinesSigned;
+
+  // kNearLines*: the line estimate r; the code is r or r + 1
+  I line_index(F n) const {
+    static_assert(BITS == 8 && Isa::kPermute256, "octave lines index 32-entry register tables");
+    // a = max(n, 0) (NaN -> 0) or |n|, capped below 2 (NaN stays); its biased exponent, at
+    // least 96, is the octave (the permutes read it mod 32)
+    F a = NEAR == kNearLinesUnsigned ? Isa::max_or(n, F(0.0f)) : Isa::from_bits(Isa::bits(n) & I(0x7fffffffu));
+    a = Isa::min_or(F(1.99999988f), a);
+    const I o = Isa::max_i(Isa::bits(a) >> 23, I(96u));
+    const auto upper = Isa::le(Isa::lookup32(breakpoint, o), a);
+    F j = a * Isa::select(upper, Isa::lookup32(slope2, o), Isa::lookup32(slope1, o)) +
+          Isa::select(upper, Isa::lookup32(offset2, o), Isa::lookup32(offset1, o));
+    if constexpr (NEAR == kNearLinesSigned) j = Isa::select(Isa::lt(n, F(0.0f)), mirror - j, j);
+    // octave_lines checked 0 <= r < 256 (the padded midpoint table) for every input but NaN,
+    // which only the signed form lets through (INT32_MIN -> 0)
+    const I r = Isa::rint_to_int(j);
+    if constexpr (NEAR == kNearLinesSigned) return Isa::max_i(r, I(0u));
+    else return r;
+  }
+  // the nearest codes of two vectors: one paired probe of the midpoints
+  void code_pair(F n0, F n1, I& c0, I& c1) const {
+    const I r0 = line_index(n0), r1 = line_index(n1);
+    F m0, m1;
+    Isa::lookup256x2(mids256, r0, r1, m0, m1);
+    c0 = Isa::add_if(Isa::lt(m0, n0), r0, I(1u));
+    c1 = Isa::add_if(Isa::lt(m1, n1), r1, I(1u));
+  }
 
   I count_near(F n) const {
-    if constexpr (GRID) {
+    if constexpr (kLines) {
+      I c, unused;
+      code_pair(n, n, c, unused);
+      return c;
+    }
+    if constexpr (NEAR == kNearGrid) {
       F y = n * grid_L - grid_c;
       y = Isa::min_or(grid_cap, y);  // cap +inf (keeps NaN: min_or yields y when y is NaN)
       return Isa::min_i(Isa::max_i(Isa::ceil_to_int(y), I(0u)), top);
@@ -805,19 +884,38 @@ struct FastQuantizer {
   // x[0..len) are elements first..first+len-1 (len a multiple of W); one reciprocal per vector
   // (0 for a zero block: 0 * 0 normalizes to 0 like the reference)
   void run_per_vector(const float* x, const float* r, int64_t len, int64_t first) const {
-    for (int64_t j = 0; j < len; j += W) store(code(Isa::load(x + j) * F(r[j / W]), first + j), first + j);
+    int64_t j = 0;
+    if constexpr (kLines) {
+      for (; j + 2 * W <= len; j += 2 * W) {
+        I c0, c1;
+        code_pair(Isa::load(x + j) * F(r[j / W]), Isa::load(x + j + W) * F(r[j / W + 1]), c0, c1);
+        store(c0, first + j);
+        store(c1, first + j + W);
+      }
+    }
+    for (; j < len; j += W) store(code(Isa::load(x + j) * F(r[j / W]), first + j), first + j);
   }
   // per-element reciprocals (inf marks a zero scale)
   void run_vec(const float* x, const float* r, int64_t len, int64_t first) const {
-    for (int64_t j = 0; j < len; j += W) store(code(normalize_v(Isa::load(x + j), Isa::load(r + j)), first + j), first + j);
+    int64_t j = 0;
+    if constexpr (kLines) {
+      for (; j + 2 * W <= len; j += 2 * W) {
+        I c0, c1;
+        code_pair(normalize_v(Isa::load(x + j), Isa::load(r + j)),
+                  normalize_v(Isa::load(x + j + W), Isa::load(r + j + W)), c0, c1);
+        store(c0, first + j);
+        store(c1, first + j + W);
+      }
+    }
+    for (; j < len; j += W) store(code(normalize_v(Isa::load(x + j), Isa::load(r + j)), first + j), first + j);
   }
 };
 
 inline float run_recip(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
 
-template <int BITS, bool SR, bool GRID = false>
+template <int BITS, bool SR, int NEAR = kNearSearch>
 void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf) {
-  const FastQuantizer<BITS, SR, GRID> q(st);
+  const FastQuantizer<BITS, SR, NEAR> q(st);
   if (!st.two_pass) {
     // all the tile's new block scales first (their reductions and divisions overlap), then one
     // quantize loop over the tile with a reciprocal per vector
@@ -827,14 +925,27 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
       const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
       const float s = scale_from_absmax_bits(absmax_bits(x + off, len));
       st.scales[blk] = s;
-      const float r = run_recip(s);
-      for (int64_t v = off / W; v < (off + len) / W; ++v) rbuf[v] = r;
+      const F r(run_recip(s));  // per vector; whole-register stores (Buffers has room to spare)
+      for (int64_t v = off / W; v < (off + len) / W; v += W) Isa::store(rbuf + v, r);
       off += len;
     }
     q.run_per_vector(x, rbuf, n, start);
   } else {
     fill_per_element(st.codec, t, st.new_recip, false, start, n, rbuf);
     q.run_vec(x, rbuf, n, start);
+  }
+}
+
+// 8-bit nearest rounding by octave lines when the codec has them (form 1 or 2) and the ISA
+// holds 32-entry tables in registers; false: the caller searches
+inline bool quantize_lines(int form, const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n,
+                           const float* x, float* rbuf) {
+  if constexpr (Isa::kPermute256) {
+    if (form == 1) quantize_fast<8, false, kNearLinesUnsigned>(st, t, start, n, x, rbuf);
+    if (form == 2) quantize_fast<8, false, kNearLinesSigned>(st, t, start, n, x, rbuf);
+    return form == 1 || form == 2;
+  } else {
+    return false;
   }
 }
 
@@ -849,14 +960,18 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
   return c.bits;  // kIOQ4 / kIOQ8
 }
 
-// one old scale per vector of a single-pass block state (blocks are whole vectors: state_io)
+// one old scale per vector of a single-pass block state (blocks are whole vectors: state_io),
+// in whole-register stores: a block's last store may run up to W-1 entries past its vectors (the
+// next block's stores overwrite them; Buffers leaves room after the tile's last vector)
 inline void fill_per_vector(const CodecDesc& c, const float* scales, int64_t start, int64_t n, float* out) {
   const int64_t per_block = c.block / W;
   int64_t blk = start / c.block, v = 0;
   const int64_t nv = n / W;
   for (int64_t k = (start % c.block) / W; v < nv; ++blk, k = 0) {
-    const float s = scales[blk];
-    for (; k < per_block && v < nv; ++k) out[v++] = s;
+    const int64_t count = per_block - k < nv - v ? per_block - k : nv - v;
+    const F s(scales[blk]);
+    for (int64_t q = 0; q < count; q += W) Isa::store(out + v + q, s);
+    v += count;
   }
 }
 
@@ -868,7 +983,7 @@ inline void fill_per_vector(const CodecDesc& c, const float* scales, int64_t sta
 // K's new value is used; the other state's math is dead code.
 template <class Rule, int K, int IO>
 inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const float* p, const float* g,
-                         uint32_t* partial) {
+                         uint32_t* partial, float* scratch) {
   const StateDesc& st = t.st[K];
   const uint8_t* codes = st.codes + start * st.codec.bits / 8;
   const float* scales = st.scales;
@@ -877,7 +992,7 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
   StateIn in;
   in.codes = codes;
   in.qmap = st.codec.qmap;
-  if constexpr (io_q8(IO)) in.q256 = Isa::table256(st.codec.qmap);
+  if constexpr (io_q8(IO)) prepare_codes8(in, st, n, scratch);
   for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
     const float part = rank1_row_part(scales, lead, nlead, true);
     const F row_scale(part);
@@ -980,11 +1095,11 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
       if (rank1_reduce_applies(t, st, io[k], start, n)) {
         uint32_t* partial = st.partial + tid * st.num_scales;
         if (k == 0) {
-          io[k] == kIOQ4 ? rank1_reduce<Rule, 0, kIOQ4>(t, start, n, p, g, partial)
-                         : rank1_reduce<Rule, 0, kIOQ8>(t, start, n, p, g, partial);
+          io[k] == kIOQ4 ? rank1_reduce<Rule, 0, kIOQ4>(t, start, n, p, g, partial, b.s[k])
+                         : rank1_reduce<Rule, 0, kIOQ8>(t, start, n, p, g, partial, b.s[k]);
         } else if constexpr (Rule::kStates == 2) {
-          io[k] == kIOQ4 ? rank1_reduce<Rule, 1, kIOQ4>(t, start, n, p, g, partial)
-                         : rank1_reduce<Rule, 1, kIOQ8>(t, start, n, p, g, partial);
+          io[k] == kIOQ4 ? rank1_reduce<Rule, 1, kIOQ4>(t, start, n, p, g, partial, b.s[k])
+                         : rank1_reduce<Rule, 1, kIOQ8>(t, start, n, p, g, partial, b.s[k]);
         }
         io[k] = kIONone;
         continue;
@@ -1013,7 +1128,7 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
         s.codes = st.codes + start * st.codec.bits / 8;
         s.scale = b.sc[k];
         s.qmap = st.codec.qmap;
-        if (io_q8(io[k])) s.q256 = Isa::table256(st.codec.qmap);
+        if (io_q8(io[k])) prepare_codes8(s, st, n, b.s[k]);
       }
     }
   }
@@ -1039,13 +1154,16 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
     if (st.kind != kQuant) continue;
     const bool sr = st.codec.stochastic != 0;
     const bool grid = !sr && st.codec.grid[0] != 0.0f;
+    const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[161]);
     if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k])
-                      : grid ? quantize_fast<4, false, true>(st, t, start, n, b.s[k], b.sc[k])
+                      : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, b.s[k], b.sc[k])
                              : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k]);
-    else if (io_q8(io[k])) sr ? quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k])
-                           : grid ? quantize_fast<8, false, true>(st, t, start, n, b.s[k], b.sc[k])
-                                  : quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
-    else quantize(st, t, start, n, b.s[k], b.codes);
+    else if (io_q8(io[k])) {
+      if (sr) quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k]);
+      else if (grid) quantize_fast<8, false, kNearGrid>(st, t, start, n, b.s[k], b.sc[k]);
+      else if (!quantize_lines(lines, st, t, start, n, b.s[k], b.sc[k]))
+        quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k]);
+    } else quantize(st, t, start, n, b.s[k], b.codes);
   }
   if (t.pdtype != kF32) {
     if (t.w_stochastic || t.w_kahan) write_params(t, start, n, p, b);

@@ -49,6 +49,10 @@ struct CodecDesc {
   // and c - 1/2 a non-negative integer, so the nearest code is clamp(ceil(n * L - c), 0, levels-1)
   // computed exactly in fp32 (qconf/ops/step.py:codec_table)
   const float* grid = nullptr;
+  // octave lines (qconf/ops/octave_lines.py): per octave of |n| slopes S1 [0:32], offsets A1
+  // [32:64], S2 [64:96], A2 [96:128] above the breakpoints [128:160], mirror K [160], and the
+  // form [161]: 0 none (search), 1 unsigned, 2 signed
+  const float* lines = nullptr;
 };
 
 // Points a codec at its lookup tables: `base` is one [kTableRows, 256] table of
@@ -70,6 +74,7 @@ inline void point_tables(CodecDesc& c, const float* base) {
   c.shifted16_coarse_qsearch = base + 3 * kTableSize + 160;
   c.shifted32_mids = base + 4 * kTableSize + 64;
   c.shifted32_qsearch = base + 4 * kTableSize + 160;
+  c.lines = base + 7 * kTableSize;
 }
 
 // A codec's layout from 7 int64 columns written by Python (qconf/ops/step.py): bits, levels,

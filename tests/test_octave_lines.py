@@ -1,0 +1,76 @@
+"""Octave lines (qconf/ops/octave_lines.py): the arithmetic estimate that replaces the 8-bit
+nearest-rounding search in the kernels, and the exhaustive check that decides where it applies."""
+import pytest
+import torch
+
+from qconf.codec import Codec
+from qconf.codec.qmap import MAP_NAMES
+from qconf.ops.octave_lines import FORM_SIGNED, FORM_UNSIGNED, estimate_codes, lines_exact, octave_lines
+from qconf.ops.step import codec_table
+
+# maps that are linear per octave (or per decade) get lines; unsigned power-2/3 curve too much
+WITHOUT_LINES = {("power-2", False), ("power-3", False)}
+
+
+def _mids(map, signed, bits=8):
+    return Codec(bits=bits, map=map, signed=signed).midpoints
+
+
+def _count(mids, n):
+    return torch.where(torch.isnan(n), 0, torch.searchsorted(mids, n))
+
+
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("map", MAP_NAMES)
+def test_lines_are_built_where_exact_and_match_the_count(map, signed):
+    mids = _mids(map, signed)
+    row = octave_lines(mids)
+    if (map, signed) in WITHOUT_LINES:
+        assert row is None
+        assert not codec_table(Codec(bits=8, map=map, signed=signed))[7].any()
+        return
+    assert row is not None
+    assert int(row[161]) == (FORM_SIGNED if float(mids[0]) <= 0 else FORM_UNSIGNED)
+    assert torch.equal(codec_table(Codec(bits=8, map=map, signed=signed))[7], row)
+    g = torch.Generator().manual_seed(0)
+    n = torch.cat([torch.rand(200_000, generator=g) * 2 - 1, torch.rand(50_000, generator=g) ** 40,
+                   -torch.rand(50_000, generator=g) ** 40, torch.randn(10_000, generator=g) * 1e3,
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, float("inf"), float("-inf"), float("nan")])])
+    n = torch.cat([n, mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))])
+    assert torch.equal(estimate_codes(row, mids, n), _count(mids, n))
+
+
+def test_4bit_codecs_keep_the_search_in_the_table():
+    assert not codec_table(Codec(bits=4, map="nonlinear", signed=True))[7].any()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_the_check_rejects_lines_that_are_off(signed):
+    # each change moves the estimate by more than one code somewhere; the check must notice
+    mids = _mids("nonlinear", signed)
+    row = octave_lines(mids)
+    assert lines_exact(row, mids)
+    top = 30  # octave [0.5, 1): the densest codes
+    breaks = torch.isfinite(row[128:160]).nonzero().flatten()
+    assert breaks.numel() > 0  # decade boundaries need two lines in some octaves
+    changes = {
+        "offset": lambda r: r.__setitem__(32 + top, r[32 + top] + 1.0),
+        "slope": lambda r: r.__setitem__(top, r[top] * 1.02),
+        "second line": lambda r: r.__setitem__(96 + int(breaks[0]), r[96 + int(breaks[0])] + 1.5),
+        "breakpoint": lambda r: r.__setitem__(128 + int(breaks[0]), float("inf")),
+        "negative slope": lambda r: r.__setitem__(5, -1.0),
+    }
+    if signed:  # (an unsigned map's row is also exact in the signed form, with K = 0)
+        changes["mirror"] = lambda r: r.__setitem__(160, r[160] + 1.0)
+        changes["form"] = lambda r: r.__setitem__(161, FORM_UNSIGNED)
+    for name, change in changes.items():
+        bad = row.clone()
+        change(bad)
+        assert not lines_exact(bad, mids), name
+
+
+def test_nan_and_out_of_range_values():
+    mids = _mids("nonlinear", True)
+    row = octave_lines(mids)
+    n = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.0e38, -3.0e38, 2.0, -2.0])
+    assert estimate_codes(row, mids, n).tolist() == [0, 255, 0, 255, 0, 255, 0]
