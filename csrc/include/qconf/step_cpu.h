@@ -876,38 +876,37 @@ struct FastQuantizer {
     }
   }
 
-  void store(I code, int64_t e) const {
-    if constexpr (BITS == 4) Isa::pack4(st.codes + e / 2, code);
-    else Isa::pack8(st.codes + e, code);
+  static void store(uint8_t* codes, I code, int64_t e) {
+    if constexpr (BITS == 4) Isa::pack4(codes + e / 2, code);
+    else Isa::pack8(codes + e, code);
   }
 
-  // x[0..len) are elements first..first+len-1 (len a multiple of W); one reciprocal per vector
-  // (0 for a zero block: 0 * 0 normalizes to 0 like the reference)
-  void run_per_vector(const float* x, const float* r, int64_t len, int64_t first) const {
+  // normalized values of vector j: one reciprocal per vector (0 for a zero block: 0 * 0
+  // normalizes to 0 like the reference), or per element (inf marks a zero scale)
+  struct PerVector {
+    const float *x, *r;
+    F operator()(int64_t j) const { return Isa::load(x + j) * F(r[j / W]); }
+  };
+  struct PerElement {
+    const float *x, *r;
+    F operator()(int64_t j) const { return normalize_v(Isa::load(x + j), Isa::load(r + j)); }
+  };
+  // codes of elements first..first+len-1 (len a multiple of W) from norm(0), norm(W), ... The
+  // codes pointer is a local: stores through uint8_t* may alias anything, so st.codes would be
+  // reloaded after every store.
+  template <class Norm>
+  void run(Norm norm, int64_t len, int64_t first) const {
+    uint8_t* const codes = st.codes;
     int64_t j = 0;
     if constexpr (kLines) {
       for (; j + 2 * W <= len; j += 2 * W) {
         I c0, c1;
-        code_pair(Isa::load(x + j) * F(r[j / W]), Isa::load(x + j + W) * F(r[j / W + 1]), c0, c1);
-        store(c0, first + j);
-        store(c1, first + j + W);
+        code_pair(norm(j), norm(j + W), c0, c1);
+        store(codes, c0, first + j);
+        store(codes, c1, first + j + W);
       }
     }
-    for (; j < len; j += W) store(code(Isa::load(x + j) * F(r[j / W]), first + j), first + j);
-  }
-  // per-element reciprocals (inf marks a zero scale)
-  void run_vec(const float* x, const float* r, int64_t len, int64_t first) const {
-    int64_t j = 0;
-    if constexpr (kLines) {
-      for (; j + 2 * W <= len; j += 2 * W) {
-        I c0, c1;
-        code_pair(normalize_v(Isa::load(x + j), Isa::load(r + j)),
-                  normalize_v(Isa::load(x + j + W), Isa::load(r + j + W)), c0, c1);
-        store(c0, first + j);
-        store(c1, first + j + W);
-      }
-    }
-    for (; j < len; j += W) store(code(normalize_v(Isa::load(x + j), Isa::load(r + j)), first + j), first + j);
+    for (; j < len; j += W) store(codes, code(norm(j), first + j), first + j);
   }
 };
 
@@ -929,10 +928,10 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
       for (int64_t v = off / W; v < (off + len) / W; v += W) Isa::store(rbuf + v, r);
       off += len;
     }
-    q.run_per_vector(x, rbuf, n, start);
+    q.run(typename FastQuantizer<BITS, SR, NEAR>::PerVector{x, rbuf}, n, start);
   } else {
     fill_per_element(st.codec, t, st.new_recip, false, start, n, rbuf);
-    q.run_vec(x, rbuf, n, start);
+    q.run(typename FastQuantizer<BITS, SR, NEAR>::PerElement{x, rbuf}, n, start);
   }
 }
 
