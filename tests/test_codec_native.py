@@ -45,7 +45,7 @@ def test_native_non_finite_and_zero_blocks_match():
 
 
 def test_native_identical_across_isas_and_threads(monkeypatch):
-    order = ["scalar", "avx2", "avx512"]
+    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
     isas = order[: order.index(torch.ops.qconf.cpu_isa_best()) + 1]
     c = Codec(bits=8, map="nonlinear", scale="rank1", rounding="stochastic")
     x = torch.randn(300, 700)

@@ -28,7 +28,7 @@ ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yml"))
 
 def _isas():
     best = torch.ops.qconf.cpu_isa_best()
-    order = ["scalar", "avx2", "avx512"]
+    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
     return order[: order.index(best) + 1]
 
 
@@ -196,14 +196,17 @@ def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     assert torch.equal(buf.scales, torch.ones_like(buf.scales))  # the values were normalized by 1
 
 
+@pytest.mark.parametrize("isa", _isas())
 @pytest.mark.parametrize("map,signed", [("nonlinear", True), ("nonlinear", False), ("linear", True),
                                         ("float-point", True), ("power-2", True), ("power-2", False)])
-def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed):
+def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, isa, monkeypatch):
     # 8-bit maps with octave lines (ops.octave_lines) take the line estimate plus one probe in the
     # kernel. SGD's first step stores the gradient as the momentum buffer with a 1.0 in every
     # block of 64, so the normalized values are exactly every point where the estimate could go
     # wrong (all in [-1, 1]), plus a block with NaN and one with inf. (Unsigned power-2 has no
-    # lines: the search, for comparison.) An odd number of vectors exercises the unpaired tail.
+    # lines: the search, for comparison.) An odd number of vectors exercises the tail after the
+    # last whole group of Isa::lookup256n. On every ISA: AVX-512 with and without VBMI looks up
+    # 4 or 2 vectors at a time; AVX2 and scalar search.
     from qconf.codec import Codec
     from qconf.ops.octave_lines import _interval_ends
     from qconf.ops.step import codec_table
@@ -223,7 +226,9 @@ def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed):
         p = torch.nn.Parameter(torch.zeros(grad.numel()))
         opt = SGD([p], lr=0.1, momentum=0.9, qconfig=cfg, fused=fused)
         p.grad = grad.clone()
+        monkeypatch.setenv("QCONF_CPU_ISA", isa)
         opt.step()
+        monkeypatch.delenv("QCONF_CPU_ISA")
         runs.append(([p], opt))
     (p_ref, o_ref), (p_fus, o_fus) = runs
     a, b = o_ref.state[p_ref[0]]["momentum_buffer"], o_fus.state[p_fus[0]]["momentum_buffer"]

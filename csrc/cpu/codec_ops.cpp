@@ -23,6 +23,7 @@ constexpr int64_t kTile = 2048, kMaxUnit = 16384;
 
 RunCodecFn codec_function() {
   switch (selected_isa()) {
+    case Isa::avx512vbmi: return &isa_avx512vbmi::run_codec_items;
     case Isa::avx512: return &isa_avx512::run_codec_items;
     case Isa::avx2: return &isa_avx2::run_codec_items;
     default: return &isa_scalar::run_codec_items;

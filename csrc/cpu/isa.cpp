@@ -13,7 +13,7 @@ Isa detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return Isa::avx512;
+    return __builtin_cpu_supports("avx512vbmi") ? Isa::avx512vbmi : Isa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return Isa::avx2;
 #endif
@@ -22,6 +22,7 @@ Isa detect_isa() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::avx512vbmi: return "avx512vbmi";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "scalar";
@@ -36,8 +37,10 @@ Isa selected_isa() {
   if (std::strcmp(env, "scalar") == 0) want = Isa::scalar;
   else if (std::strcmp(env, "avx2") == 0) want = Isa::avx2;
   else if (std::strcmp(env, "avx512") == 0) want = Isa::avx512;
+  else if (std::strcmp(env, "avx512vbmi") == 0) want = Isa::avx512vbmi;
   else
-    throw std::invalid_argument(std::string("QCONF_CPU_ISA=") + env + " is not one of scalar, avx2, avx512");
+    throw std::invalid_argument(std::string("QCONF_CPU_ISA=") + env +
+                                " is not one of scalar, avx2, avx512, avx512vbmi");
   if (static_cast<int>(want) > static_cast<int>(best))
     throw std::invalid_argument(std::string("QCONF_CPU_ISA=") + env + " but this CPU supports at most " +
                                 isa_name(best));

@@ -6,7 +6,7 @@
 //   apply pass      dequantize -> rule -> quantize -> store, every tile independently
 //
 // each as one at::parallel_for over the work items of *all* tensors (multi-tensor). The ISA
-// (AVX-512 / AVX2 / scalar) is chosen per call; all give identical results.
+// (AVX-512 with or without VBMI / AVX2 / scalar) is chosen per call; all give identical results.
 #include "qconf/step_driver.h"
 
 #include <ATen/ATen.h>
@@ -31,6 +31,7 @@ constexpr int64_t kCacheBatchBytes = 8 << 20;  // gradient bytes of two-pass ten
 
 RunItemsFn isa_function() {
   switch (selected_isa()) {
+    case Isa::avx512vbmi: return &isa_avx512vbmi::run_items;
     case Isa::avx512: return &isa_avx512::run_items;
     case Isa::avx2: return &isa_avx2::run_items;
     default: return &isa_scalar::run_items;

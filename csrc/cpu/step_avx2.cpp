@@ -1,5 +1,5 @@
 // The CPU step kernel compiled for one instruction set (avx2). Everything ISA-specific lives in
-// namespace qconf::isa_avx2, so the three builds of the same template never share a symbol.
+// namespace qconf::isa_avx2, so the four builds of the same template never share a symbol.
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif

@@ -30,7 +30,7 @@ COL_WEIGHTS = COL_STATE + 2 * STATE_COLS  # bit 0: stochastic rounding, bit 1: K
 COL_COMP = COL_WEIGHTS + 1                # the Kahan buffer, described like a state
 META_COLS = COL_COMP + STATE_COLS
 STATE_SLOTS = 8
-TABLE_ROWS, TABLE_SIZE = 8, 256
+TABLE_ROWS, TABLE_SIZE = 12, 256
 KIND_NONE, KIND_FP32, KIND_QUANT, KIND_PARAM_DTYPE = 0, 1, 2, 3
 SCALE_BLOCK, SCALE_DIM1, SCALE_RANK1 = 0, 1, 2
 RULES = {"adam": 0, "adamw": 0, "sgd": 1, "lion": 2}
@@ -61,7 +61,7 @@ def midpoint_grid(mids: torch.Tensor) -> tuple[float, float]:
 
 
 def codec_table(codec: Codec) -> torch.Tensor:
-    """The kernel's lookup tables of a codec, float32 [8, 256]:
+    """The kernel's lookup tables of a codec, float32 [12, 256]:
 
     0. qmap (padded with its last value); 1. midpoints then +inf; 2. qmap then +inf;
     3. coarse16: midpoints[16k+15] (16), qmap+inf[16k+15] (16)   -- first 4 search levels;
@@ -73,6 +73,9 @@ def codec_table(codec: Codec) -> torch.Tensor:
     5. columns of the midpoints: [j*32 + k] = midpoints[8k+j], j < 7
     6. columns of qmap+inf:      [j*32 + k] = qsearch[8k+j], j < 7
     7. 8-bit maps: the octave lines of the midpoints (``ops.octave_lines``), or zeros (search)
+    8, 9. rows 0 and 1 as 16-bit planes: the low halves of the 256 entries, then the high halves
+    10, 11. rows 0 and 1 as byte planes: byte 0 of the 256 entries, then byte 1, 2, 3
+       (raw bits in float32 storage, for the kernels' byte/word permutes: ``Isa::lookup256n``)
     """
     qmap = codec.qmap
     levels = qmap.numel()
@@ -105,6 +108,10 @@ def codec_table(codec: Codec) -> torch.Tensor:
     lines = octave_lines(codec.midpoints) if codec.bits == 8 else None
     if lines is not None:
         t[7] = lines
+    for row, values in ((8, t[0]), (9, t[1])):
+        b = values.contiguous().view(torch.uint8).reshape(TABLE_SIZE, 4)  # little-endian bytes
+        t[row] = torch.cat([b[:, 0:2].reshape(-1), b[:, 2:4].reshape(-1)]).view(torch.float32)
+        t[row + 2] = b.t().contiguous().reshape(-1).view(torch.float32)
     return t
 
 

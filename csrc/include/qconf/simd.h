@@ -110,30 +110,71 @@ struct Isa {
     const __m512 x0 = _mm512_mask_blend_ps(b6, w0, w1), x1 = _mm512_mask_blend_ps(b6, w2, w3);
     return _mm512_mask_blend_ps(b7, x0, x1);
   }
-  // The same table as two 16-bit planes (low and high halves of each entry, 64 per register
-  // pair): vpermt2w looks up 32 lanes at once, so two index vectors take 8 permutes + 6 blends
-  // per plane and one pack, against 2 x (8 + 7) for two lookup256.
-  struct T256W {
-    __m512i lo[8], hi[8];
+  // Lookups of kGroup index vectors at once in a 256-entry fp32 table held as planes of its
+  // bytes (CodecDesc::*_planes, built by qconf/ops/step.py): a permute looks up 64 byte lanes
+  // (VBMI, 128-entry tables, 4 vectors) or 32 word lanes (BW, 64-entry tables, 2 vectors), so a
+  // vector costs ~6 (VBMI) or ~10 (BW) operations against 18 for lookup256. Both take the
+  // indices packed so that unpacking the planes (per 128-bit lane L) gives each vector in order.
+#if defined(QCONF_ISA_VBMI)
+  static constexpr int kGroup = 4;
+  struct T256P {
+    __m512i b[4][4];  // plane k (byte k of each entry), entries 64q .. 64q + 63
   };
-  static inline __attribute__((always_inline)) T256W table256w(const float* t) {
-    T256W out;
-    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
-                                          26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+  static inline __attribute__((always_inline)) T256P table256p(const float*, const uint8_t*, const uint8_t* planes) {
+    T256P out;
+    for (int k = 0; k < 4; ++k)
+      for (int q = 0; q < 4; ++q) out.b[k][q] = _mm512_loadu_si512(planes + 256 * k + 64 * q);
+    return out;
+  }
+  // idx: byte 16L + 4h + m is the index of element 4L + m of vector h
+  static inline __attribute__((always_inline)) void lookup_packed(const T256P& t, __m512i idx, F* out) {
+    const __mmask64 b7 = _mm512_movepi8_mask(idx);
+    __m512i p[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i lo = _mm512_permutex2var_epi8(t.b[k][0], idx, t.b[k][1]);
+      const __m512i hi = _mm512_permutex2var_epi8(t.b[k][2], idx, t.b[k][3]);
+      p[k] = _mm512_mask_blend_epi8(b7, lo, hi);
+    }
+    const __m512i a = _mm512_unpacklo_epi8(p[0], p[1]), b = _mm512_unpackhi_epi8(p[0], p[1]);
+    const __m512i c = _mm512_unpacklo_epi8(p[2], p[3]), d = _mm512_unpackhi_epi8(p[2], p[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a, c));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a, c));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(b, d));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(b, d));
+  }
+  // byte 16L + 4h + m <- element 16h + 4L + m (of 64 codes), or byte 4(4L + m) of vector h
+  static __m512i pack_order(int vector_bytes) {
+    alignas(64) uint8_t order[64];
+    for (int p = 0; p < 64; ++p) {
+      const int L = p / 16, h = (p / 4) % 4, m = p % 4;
+      order[p] = static_cast<uint8_t>(vector_bytes == 1 ? 16 * h + 4 * L + m : 64 * (h & 1) + 4 * (4 * L + m));
+    }
+    return _mm512_load_si512(order);
+  }
+  static inline __attribute__((always_inline)) void lookup256n(const T256P& t, const I* idx, F* out) {
+    const __m512i order = pack_order(4);
+    const __m512i x = _mm512_permutex2var_epi8(idx[0].v, order, idx[1].v);
+    const __m512i y = _mm512_permutex2var_epi8(idx[2].v, order, idx[3].v);
+    lookup_packed(t, _mm512_mask_blend_epi8(0xFF00FF00FF00FF00ull, x, y), out);  // h >= 2 from y
+  }
+  static inline __attribute__((always_inline)) void decode256n(const T256P& t, const uint8_t* codes, F* out) {
+    lookup_packed(t, _mm512_permutexvar_epi8(pack_order(1), _mm512_loadu_si512(codes)), out);
+  }
+#else
+  static constexpr int kGroup = 2;
+  struct T256P {
+    __m512i lo[8], hi[8];  // low and high 16-bit halves, entries 32q .. 32q + 31
+  };
+  static inline __attribute__((always_inline)) T256P table256p(const float*, const uint8_t* planes, const uint8_t*) {
+    T256P out;
     for (int q = 0; q < 8; ++q) {
-      const __m512i a = _mm512_loadu_si512(t + 32 * q), b = _mm512_loadu_si512(t + 32 * q + 16);
-      out.lo[q] = _mm512_permutex2var_epi16(a, even, b);
-      out.hi[q] = _mm512_permutex2var_epi16(a, odd, b);
+      out.lo[q] = _mm512_loadu_si512(planes + 64 * q);
+      out.hi[q] = _mm512_loadu_si512(planes + 512 + 64 * q);
     }
     return out;
   }
-  // t[i0], t[i1] for indices < 256. Word p = 8L + 4h + j of the packed index is element 4L + j of
-  // vector h, so unpacking the two result planes (per 128-bit lane L) gives both in lane order.
-  static inline __attribute__((always_inline)) void lookup256x2(const T256W& t, I i0, I i1, F& v0, F& v1) {
-    const __m512i pack = _mm512_set_epi16(62, 60, 58, 56, 30, 28, 26, 24, 54, 52, 50, 48, 22, 20, 18, 16, 46, 44,
-                                          42, 40, 14, 12, 10, 8, 38, 36, 34, 32, 6, 4, 2, 0);
-    const __m512i w = _mm512_permutex2var_epi16(i0.v, pack, i1.v);
+  // w: word 8L + 4h + m is the index of element 4L + m of vector h
+  static inline __attribute__((always_inline)) void lookup_packed(const T256P& t, __m512i w, F* out) {
     const __mmask32 b6 = _mm512_test_epi16_mask(w, _mm512_set1_epi16(64));
     const __mmask32 b7 = _mm512_test_epi16_mask(w, _mm512_set1_epi16(128));
     __m512i plane[2];
@@ -143,9 +184,26 @@ struct Isa {
       const __m512i c = _mm512_permutex2var_epi16(r[4], w, r[5]), d = _mm512_permutex2var_epi16(r[6], w, r[7]);
       plane[h] = _mm512_mask_blend_epi16(b7, _mm512_mask_blend_epi16(b6, a, b), _mm512_mask_blend_epi16(b6, c, d));
     }
-    v0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(plane[0], plane[1]));
-    v1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(plane[0], plane[1]));
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(plane[0], plane[1]));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(plane[0], plane[1]));
   }
+  // word 8L + 4h + m <- word (element) 16h + 4L + m of 32 codes, or word 2(4L + m) of vector h
+  static __m512i pack_order(int vector_words) {
+    alignas(64) uint16_t order[32];
+    for (int p = 0; p < 32; ++p) {
+      const int L = p / 8, h = (p / 4) % 2, m = p % 4;
+      order[p] = static_cast<uint16_t>(vector_words == 1 ? 16 * h + 4 * L + m : 32 * h + 2 * (4 * L + m));
+    }
+    return _mm512_load_si512(order);
+  }
+  static inline __attribute__((always_inline)) void lookup256n(const T256P& t, const I* idx, F* out) {
+    lookup_packed(t, _mm512_permutex2var_epi16(idx[0].v, pack_order(2), idx[1].v), out);
+  }
+  static inline __attribute__((always_inline)) void decode256n(const T256P& t, const uint8_t* codes, F* out) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)codes));
+    lookup_packed(t, _mm512_permutexvar_epi16(pack_order(1), w), out);
+  }
+#endif
   // dtype conversions
   static F load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -271,9 +329,11 @@ struct Isa {
   using T256 = const float*;
   static T256 table256(const float* t) { return t; }
   static F lookup256(T256 t, I idx) { return gather(t, idx); }
-  using T256W = const float*;
-  static T256W table256w(const float* t) { return t; }
-  static void lookup256x2(T256W t, I i0, I i1, F& v0, F& v1) { v0 = gather(t, i0), v1 = gather(t, i1); }
+  static constexpr int kGroup = 1;  // (kFastPack is false: the 8-bit register paths never run)
+  using T256P = const float*;
+  static T256P table256p(const float* values, const uint8_t*, const uint8_t*) { return values; }
+  static void lookup256n(T256P t, const I* idx, F* out) { out[0] = gather(t, idx[0]); }
+  static void decode256n(T256P t, const uint8_t* codes, F* out) { out[0] = gather(t, unpack8(codes)); }
   static F load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
@@ -347,9 +407,11 @@ struct Isa {
   using T256 = const float*;
   static T256 table256(const float* t) { return t; }
   static F lookup256(T256 t, I idx) { return t[idx]; }
-  using T256W = const float*;
-  static T256W table256w(const float* t) { return t; }
-  static void lookup256x2(T256W t, I i0, I i1, F& v0, F& v1) { v0 = t[i0], v1 = t[i1]; }
+  static constexpr int kGroup = 1;
+  using T256P = const float*;
+  static T256P table256p(const float* values, const uint8_t*, const uint8_t*) { return values; }
+  static void lookup256n(T256P t, const I* idx, F* out) { out[0] = t[idx[0]]; }
+  static void decode256n(T256P t, const uint8_t* codes, F* out) { out[0] = t[*codes]; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }

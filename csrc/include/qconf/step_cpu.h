@@ -524,17 +524,23 @@ struct StateIn {
   const float* decoded = nullptr; // kPermute256 ISAs qmap[code] of the whole tile (decode8)
 };
 
-// qmap[code] of n 8-bit codes (n a multiple of W) into out: two vectors per paired word-plane
-// lookup, half the permutes of looking them up one vector at a time in the main loop
-inline void decode8(const uint8_t* codes, const float* qmap, int64_t n, float* out) {
-  const Isa::T256W t = Isa::table256w(qmap);
-  for (int64_t i = 0; i < n; i += 2 * W) {
+// qmap[code] of n 8-bit codes (n a multiple of W) into out: Isa::kGroup vectors per lookup in
+// the map's planes, a fraction of the permutes of one vector at a time in the main loop
+inline void decode8(const CodecDesc& c, const uint8_t* codes, int64_t n, float* out) {
+  constexpr int G = Isa::kGroup;
+  const Isa::T256P t = Isa::table256p(c.qmap, c.qmap_words, c.qmap_bytes);
+  int64_t i = 0;
+  F v[G];
+  for (; i + G * W <= n; i += G * W) {
     __builtin_prefetch(codes + i + kPrefetch, 0);  // the next tile's codes, like the main loop's p, g
-    const I c0 = Isa::unpack8(codes + i), c1 = i + W < n ? Isa::unpack8(codes + i + W) : c0;
-    F v0, v1;
-    Isa::lookup256x2(t, c0, c1, v0, v1);
-    Isa::store(out + i, v0);
-    if (i + W < n) Isa::store(out + i + W, v1);
+    Isa::decode256n(t, codes + i, v);
+    for (int h = 0; h < G; ++h) Isa::store(out + i + h * W, v[h]);
+  }
+  if (i < n) {  // fewer than G vectors left: look up the last one in the unused slots
+    I idx[G];
+    for (int h = 0; h < G; ++h) idx[h] = Isa::unpack8(codes + (i + h * W < n ? i + h * W : n - W));
+    Isa::lookup256n(t, idx, v);
+    for (int h = 0; i + h * W < n; ++h) Isa::store(out + i + h * W, v[h]);
   }
 }
 
@@ -542,7 +548,7 @@ inline void decode8(const uint8_t* codes, const float* qmap, int64_t n, float* o
 // that reads them (kPermute256 ISAs), or the map as a table for per-vector lookups
 inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* scratch) {
   if constexpr (Isa::kPermute256) {
-    decode8(s.codes, st.codec.qmap, n, scratch);
+    decode8(st.codec, s.codes, n, scratch);
     s.decoded = scratch;
   } else {
     s.q256 = Isa::table256(st.codec.qmap);
@@ -804,12 +810,12 @@ struct FastQuantizer {
         offset2(Isa::table32(s.codec.lines + 96)),
         breakpoint(Isa::table32(s.codec.lines + 128)),
         mirror(s.codec.lines[160]),
-        mids256(Isa::table256w(s.codec.mids)) {}
+        mids256(Isa::table256p(s.codec.mids, s.codec.mids_words, s.codec.mids_bytes)) {}
   F grid_L, grid_c, grid_cap;
   I top;
   Isa::T32 slope1, offset1, slope2, offset2, breakpoint;
   F mirror;
-  Isa::T256W mids256;
+  Isa::T256P mids256;
   static constexpr bool kLines = NEAR == kNearLinesUnsigned || NEAR == kNearLinesSigned;
 
   // kNearLines*: the line estimate r; the code is r or r + 1
@@ -830,20 +836,23 @@ struct FastQuantizer {
     if constexpr (NEAR == kNearLinesSigned) return Isa::max_i(r, I(0u));
     else return r;
   }
-  // the nearest codes of two vectors: one paired probe of the midpoints
-  void code_pair(F n0, F n1, I& c0, I& c1) const {
-    const I r0 = line_index(n0), r1 = line_index(n1);
-    F m0, m1;
-    Isa::lookup256x2(mids256, r0, r1, m0, m1);
-    c0 = Isa::add_if(Isa::lt(m0, n0), r0, I(1u));
-    c1 = Isa::add_if(Isa::lt(m1, n1), r1, I(1u));
+  // the nearest codes of Isa::kGroup vectors: one probe of the midpoints for all
+  void code_group(const F* n, I* c) const {
+    constexpr int G = Isa::kGroup;
+    I r[G];
+    F m[G];
+    for (int h = 0; h < G; ++h) r[h] = line_index(n[h]);
+    Isa::lookup256n(mids256, r, m);
+    for (int h = 0; h < G; ++h) c[h] = Isa::add_if(Isa::lt(m[h], n[h]), r[h], I(1u));
   }
 
   I count_near(F n) const {
-    if constexpr (kLines) {
-      I c, unused;
-      code_pair(n, n, c, unused);
-      return c;
+    if constexpr (kLines) {  // (a tile's last vectors, fewer than a group)
+      F ns[Isa::kGroup];
+      I c[Isa::kGroup];
+      for (int h = 0; h < Isa::kGroup; ++h) ns[h] = n;
+      code_group(ns, c);
+      return c[0];
     }
     if constexpr (NEAR == kNearGrid) {
       F y = n * grid_L - grid_c;
@@ -899,11 +908,13 @@ struct FastQuantizer {
     uint8_t* const codes = st.codes;
     int64_t j = 0;
     if constexpr (kLines) {
-      for (; j + 2 * W <= len; j += 2 * W) {
-        I c0, c1;
-        code_pair(norm(j), norm(j + W), c0, c1);
-        store(codes, c0, first + j);
-        store(codes, c1, first + j + W);
+      constexpr int G = Isa::kGroup;
+      F n[G];
+      I c[G];
+      for (; j + G * W <= len; j += G * W) {
+        for (int h = 0; h < G; ++h) n[h] = norm(j + h * W);
+        code_group(n, c);
+        for (int h = 0; h < G; ++h) store(codes, c[h], first + j + h * W);
       }
     }
     for (; j < len; j += W) store(codes, code(norm(j), first + j), first + j);

@@ -26,9 +26,9 @@ constexpr int kMetaCols = kColComp + kStateCols;
 constexpr int kStateSlots = 8;
 // tables: float32 [N, kTableRows, 256]: qmap, midpoints(+inf), qmap(+inf), coarse16 (16 mids,
 // 16 qmap, midpoint grid, shifted 16-entry search tables), coarse32 (32 mids, 32 qmap, their
-// shifted copies), mids columns (7 x 32), qmap columns (7 x 32), octave lines (8-bit maps);
-// see qconf/ops/step.py codec_table
-constexpr int kTableRows = 8;
+// shifted copies), mids columns (7 x 32), qmap columns (7 x 32), octave lines (8-bit maps), the
+// qmap and midpoints as 16-bit and as byte planes; see qconf/ops/step.py codec_table
+constexpr int kTableRows = 12;
 // hyper: lr, beta1, beta2, eps, weight_decay, momentum, dampening, maximize, nesterov, decoupled
 constexpr size_t kHyperLen = 10;
 

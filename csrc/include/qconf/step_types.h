@@ -53,6 +53,12 @@ struct CodecDesc {
   // [32:64], S2 [64:96], A2 [96:128] above the breakpoints [128:160], mirror K [160], and the
   // form [161]: 0 none (search), 1 unsigned, 2 signed
   const float* lines = nullptr;
+  // qmap and midpoints (+inf padded) as planes for Isa::lookup256n: 16-bit halves [low 256 |
+  // high 256], and bytes [byte 0 of 256 | byte 1 | byte 2 | byte 3] (1 KB each)
+  const uint8_t* qmap_words = nullptr;
+  const uint8_t* mids_words = nullptr;
+  const uint8_t* qmap_bytes = nullptr;
+  const uint8_t* mids_bytes = nullptr;
 };
 
 // Points a codec at its lookup tables: `base` is one [kTableRows, 256] table of
@@ -75,6 +81,10 @@ inline void point_tables(CodecDesc& c, const float* base) {
   c.shifted32_mids = base + 4 * kTableSize + 64;
   c.shifted32_qsearch = base + 4 * kTableSize + 160;
   c.lines = base + 7 * kTableSize;
+  c.qmap_words = reinterpret_cast<const uint8_t*>(base + 8 * kTableSize);
+  c.mids_words = reinterpret_cast<const uint8_t*>(base + 9 * kTableSize);
+  c.qmap_bytes = reinterpret_cast<const uint8_t*>(base + 10 * kTableSize);
+  c.mids_bytes = reinterpret_cast<const uint8_t*>(base + 11 * kTableSize);
 }
 
 // A codec's layout from 7 int64 columns written by Python (qconf/ops/step.py): bits, levels,
@@ -181,9 +191,11 @@ using RunCodecFn = void (*)(const CodecJob& job, const WorkItem* items, int64_t 
 namespace isa_scalar { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 namespace isa_avx2 { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 namespace isa_avx512 { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+namespace isa_avx512vbmi { void run_codec_items(const CodecJob&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 
 namespace isa_scalar { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 namespace isa_avx2 { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 namespace isa_avx512 { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
+namespace isa_avx512vbmi { void run_items(const StepContext&, const WorkItem*, int64_t, int64_t, int32_t, int32_t); }
 
 }  // namespace qconf
