@@ -2,31 +2,33 @@
 
 The nearest code of a normalized value ``n`` is ``t(n) = #{k : mid[k] < n}`` over the sorted
 float32 midpoints. Inside one binary octave of ``|n|`` most maps are linear in ``n``, or linear on
-each side of one breakpoint: the dynamic-exponent map is linear inside each decade, the linear,
-float-point and power-1 maps inside each octave. So per octave ``o`` of ``a = |n|`` (32 octaves,
-``[2**-31, 1)`` plus everything below and above) one or two lines give an estimate
+each side of one point where they get sparser: the dynamic-exponent map is linear inside each
+decade (5x sparser above a decade boundary), the linear, float-point and power-1 maps inside each
+octave. So per octave ``o`` of ``a = |n|`` (32 octaves: ``[2**-31, 1)``, everything below in
+octave 0, ``[1, 2)``) the smaller of two lines gives an estimate
 
-    j = a * S[o] + A[o]          (fp32 multiply, then fp32 add: the kernels do not contract)
+    j = min(a * S1[o] + A1[o], a * S2[o] + A2[o])   (fp32 multiply, then add: no contraction)
     j = K - j  if n < 0          (signed maps: the negative midpoints mirror the positive ones)
     r = rint(j)                  (NaN -> 0)
     t = r + (mid[r] < n)         (one exact probe)
 
 which is exact whenever ``t(n)`` is ``r`` or ``r + 1``: the lines put midpoint ``k`` at ``j ~ k``,
-within 0.3 codes. Whether that holds is not assumed: ``octave_lines`` checks the estimate, in
-exactly the kernels' float32 arithmetic, at every point where ``t``, the octave, the line or the
-sign can change and at both ends of every interval between them. Between two such points ``t`` is
-constant and the estimate is monotone (``S >= 0``, fp32 rounding and ``rint`` are monotone), so
-the check covers every float32 input, including -0, subnormals, values above 1, infinities and
-NaN (code 0). Maps it fails for (e.g. unsigned power-2 at 8 bits) keep the binary search.
+within 0.3 codes, and the minimum of a steep and a flat line switches from one to the other where
+the map gets sparser (one line: S2 = S1, A2 = A1). Whether this holds is not assumed:
+``lines_exact`` checks the estimate, in exactly the kernels' float32 arithmetic, at every point
+where ``t``, the octave or the sign can change and at both ends of every interval between them.
+Between two such points ``t`` is constant and the estimate is monotone (``S >= 0``; fp32 rounding,
+``min`` and ``rint`` are monotone), so the check covers every float32 input: -0, subnormals,
+values above 1, infinities and NaN (code 0). Maps it fails for (e.g. unsigned power-2 at 8 bits)
+keep the binary search.
 
-Maps whose midpoints are all positive (unsigned maps) use ``a = max(n, 0)`` (NaN -> 0) instead of
-``|n|`` and no mirror. ``a`` is capped below 2 so the octave index stays in range.
+Unsigned maps (all midpoints positive) take ``a = max(n, 2**-31)`` (NaN and negatives -> 2**-31,
+code 0) and no mirror; signed maps ``a = |n|`` with octave ``max(exponent, 96)``. ``a`` is capped
+below 2 so the octave index stays in range. The octave is the biased exponent of ``a`` mod 32.
 
 Row layout (row 7 of ``ops.step.codec_table``, float32[256]): ``[0:32]`` S1, ``[32:64]`` A1,
-``[64:96]`` S2, ``[96:128]`` A2 (the line at and above the breakpoint), ``[128:160]`` the
-breakpoint B (``a >= B`` takes line 2; +inf: one line), ``[160]`` K, ``[161]`` the form: 0 none
-(binary search), 1 unsigned, 2 signed. The octave of ``a`` is ``max(bits(a) >> 23, 96) & 31``:
-the biased exponent, so octave 0 holds everything below 2**-30 and octave 31 is ``[1, 2)``.
+``[64:96]`` S2, ``[96:128]`` A2, ``[160]`` K, ``[161]`` the form: 0 none (binary search),
+1 unsigned, 2 signed.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch
 OCTAVES = 32
 TABLE = 256  # entries of the kernels' midpoint table (+inf after the last midpoint)
 FIRST_EXPONENT = 96  # biased exponent of octave 0 (2**-31); 96 % 32 == 0, so `& 31` indexes
+A_FLOOR = 2.0**-31  # unsigned maps: a = max(n, A_FLOOR) keeps the exponent >= 96
 A_CAP = 1.9999998807907104  # largest float32 below 2: keeps the exponent <= 127
 FORM_NONE, FORM_UNSIGNED, FORM_SIGNED = 0, 1, 2
 _TOLERANCE = 0.3  # the largest line error (in codes) accepted at a midpoint before splitting
@@ -61,7 +64,6 @@ def _line_error(mids: torch.Tensor, ks: list[int], line: tuple[float, float]) ->
 def _fit(mids: torch.Tensor) -> torch.Tensor:
     """Lines per octave of the positive midpoints (float32[256] row, form not yet set)."""
     row = torch.zeros(256, dtype=torch.float32)
-    row[128:160] = float("inf")
     m = mids.tolist()
     for o in range(OCTAVES):
         lo = 0.0 if o == 0 else 2.0 ** (o - 31)
@@ -75,16 +77,19 @@ def _fit(mids: torch.Tensor) -> torch.Tensor:
         best = None
         one = _line(mids, ks)
         if len(ks) == 1 or _line_error(mids, ks, one) < _TOLERANCE:
-            best = (0.0, one, one, float("inf"))
+            best = (0.0, one, one)
         else:
             for cut in range(1, len(ks)):  # line 2 from midpoint ks[cut] up
                 l1, l2 = _line(mids, ks[:cut]), _line(mids, ks[cut:])
+                if l1[0] <= l2[0]:
+                    continue  # min() switches lines only where the map gets sparser
                 err = max(_line_error(mids, ks[:cut], l1), _line_error(mids, ks[cut:], l2))
                 if best is None or err < best[0]:
-                    brk = float(torch.nextafter(mids[ks[cut - 1]], _f32(float("inf"))))
-                    best = (err, l1, l2, brk)
-        _, (s1, a1), (s2, a2), brk = best
-        row[o], row[32 + o], row[64 + o], row[96 + o], row[128 + o] = s1, a1, s2, a2, brk
+                    best = (err, l1, l2)
+            if best is None:
+                best = (0.0, one, one)  # (lines_exact will reject it)
+        _, (s1, a1), (s2, a2) = best
+        row[o], row[32 + o], row[64 + o], row[96 + o] = s1, a1, s2, a2
     return row
 
 
@@ -96,13 +101,12 @@ def line_index(row: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     form = int(row[161])
     zero = torch.zeros((), dtype=torch.float32)
     if form == FORM_UNSIGNED:
-        a = torch.where(n > 0, n, zero)  # max(n, 0); NaN -> 0
+        a = torch.where(n > A_FLOOR, n, _f32(A_FLOOR))  # max(n, floor): NaN, negatives -> floor
     else:
         a = n.abs()
     a = torch.where(a > A_CAP, _f32(A_CAP), a)  # min(cap, a); NaN stays NaN
     o = (((a.view(torch.int32) >> 23) & 0xFF).clamp(min=FIRST_EXPONENT) & (OCTAVES - 1)).long()
-    upper = a >= row[128:160][o]
-    j = a * torch.where(upper, row[64:96][o], row[:32][o]) + torch.where(upper, row[96:128][o], row[32:64][o])
+    j = torch.minimum(a * row[:32][o] + row[32:64][o], a * row[64:96][o] + row[96:128][o])
     if form == FORM_SIGNED:
         j = torch.where(n < 0, row[160] - j, j)
     # rint to int32; NaN and out-of-range lanes give INT32_MIN (the x86 "integer indefinite")
@@ -122,13 +126,12 @@ def estimate_codes(row: torch.Tensor, mids: torch.Tensor, n: torch.Tensor) -> to
 
 
 def _interval_ends(row: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
-    """Every float32 at which t, the octave, the line or the sign may change, its neighbours,
-    and the last float below each: both ends of every interval on which the estimate is monotone."""
+    """Every float32 at which t, the octave or the sign may change, its neighbours, and the last
+    float below each: both ends of every interval on which the estimate is monotone."""
     inf = _f32(float("inf"))
-    brk = row[128:160][torch.isfinite(row[128:160])]
     powers = torch.tensor([2.0 ** e for e in range(-32, 2)], dtype=torch.float32)
     extra = torch.tensor([0.0, 1e-45, A_CAP, 3.4028234663852886e38], dtype=torch.float32)
-    pts = torch.cat([mids, brk, powers, extra])
+    pts = torch.cat([mids, powers, extra])
     pts = torch.cat([pts, -pts])
     pts = torch.cat([pts, torch.nextafter(pts, inf), torch.nextafter(pts, -inf)])
     pts = torch.unique(pts[torch.isfinite(pts)])

@@ -160,6 +160,14 @@ struct Isa {
   static inline __attribute__((always_inline)) void decode256n(const T256P& t, const uint8_t* codes, F* out) {
     lookup_packed(t, _mm512_permutexvar_epi8(pack_order(1), _mm512_loadu_si512(codes)), out);
   }
+  // kGroup vectors of 8-bit codes (< 256) -> 64 bytes in element order, one store
+  static inline __attribute__((always_inline)) void pack8n(uint8_t* p, const I* c) {
+    alignas(64) uint8_t order[64];
+    for (int q = 0; q < 64; ++q) order[q] = static_cast<uint8_t>(64 * ((q / 16) & 1) + 4 * (q % 16));
+    const __m512i o = _mm512_load_si512(order);
+    const __m512i x = _mm512_permutex2var_epi8(c[0].v, o, c[1].v), y = _mm512_permutex2var_epi8(c[2].v, o, c[3].v);
+    _mm512_storeu_si512(p, _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, x, y));
+  }
 #else
   static constexpr int kGroup = 2;
   struct T256P {
@@ -202,6 +210,10 @@ struct Isa {
   static inline __attribute__((always_inline)) void decode256n(const T256P& t, const uint8_t* codes, F* out) {
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)codes));
     lookup_packed(t, _mm512_permutexvar_epi16(pack_order(1), w), out);
+  }
+  static void pack8n(uint8_t* p, const I* c) {
+    pack8(p, c[0]);
+    pack8(p + W, c[1]);
   }
 #endif
   // dtype conversions
@@ -334,6 +346,7 @@ struct Isa {
   static T256P table256p(const float* values, const uint8_t*, const uint8_t*) { return values; }
   static void lookup256n(T256P t, const I* idx, F* out) { out[0] = gather(t, idx[0]); }
   static void decode256n(T256P t, const uint8_t* codes, F* out) { out[0] = gather(t, unpack8(codes)); }
+  static void pack8n(uint8_t* p, const I* c) { pack8(p, c[0]); }
   static F load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
   }
@@ -412,6 +425,7 @@ struct Isa {
   static T256P table256p(const float* values, const uint8_t*, const uint8_t*) { return values; }
   static void lookup256n(T256P t, const I* idx, F* out) { out[0] = t[idx[0]]; }
   static void decode256n(T256P t, const uint8_t* codes, F* out) { out[0] = t[*codes]; }
+  static void pack8n(uint8_t* p, const I* c) { pack8(p, c[0]); }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }

@@ -773,7 +773,7 @@ enum Near : int { kNearSearch = 0, kNearGrid = 1, kNearLinesUnsigned = 2, kNearL
 // whenever z >= c / 2 (Sterbenz, or c a multiple of ulp(z)), and negative otherwise, so
 // ceil(z - c) clamped to [0, levels-1] is #{k : mid_k < n}; NaN converts to INT32_MIN -> code 0,
 // +inf is capped first -> the top code, like the search.
-// kNearLines*: 8-bit maps that are linear per octave of |n| (one or two lines each:
+// kNearLines*: 8-bit maps that are linear per octave of |n| (the smaller of two lines each:
 // qconf/ops/octave_lines.py, which proves the estimate for every float32): j = a * S + A
 // (mirrored, K - j, for negative n of signed maps) lands within one code below the answer, so
 // r = clamp(rint(j)) and one probe of the midpoints, r + (mid[r] < n), replace the 8-compare
@@ -808,12 +808,11 @@ struct FastQuantizer {
         offset1(Isa::table32(s.codec.lines + 32)),
         slope2(Isa::table32(s.codec.lines + 64)),
         offset2(Isa::table32(s.codec.lines + 96)),
-        breakpoint(Isa::table32(s.codec.lines + 128)),
         mirror(s.codec.lines[160]),
         mids256(Isa::table256p(s.codec.mids, s.codec.mids_words, s.codec.mids_bytes)) {}
   F grid_L, grid_c, grid_cap;
   I top;
-  Isa::T32 slope1, offset1, slope2, offset2, breakpoint;
+  Isa::T32 slope1, offset1, slope2, offset2;
   F mirror;
   Isa::T256P mids256;
   static constexpr bool kLines = NEAR == kNearLinesUnsigned || NEAR == kNearLinesSigned;
@@ -821,14 +820,20 @@ struct FastQuantizer {
   // kNearLines*: the line estimate r; the code is r or r + 1
   I line_index(F n) const {
     static_assert(BITS == 8 && Isa::kPermute256, "octave lines index 32-entry register tables");
-    // a = max(n, 0) (NaN -> 0) or |n|, capped below 2 (NaN stays); its biased exponent, at
-    // least 96, is the octave (the permutes read it mod 32)
-    F a = NEAR == kNearLinesUnsigned ? Isa::max_or(n, F(0.0f)) : Isa::from_bits(Isa::bits(n) & I(0x7fffffffu));
-    a = Isa::min_or(F(1.99999988f), a);
-    const I o = Isa::max_i(Isa::bits(a) >> 23, I(96u));
-    const auto upper = Isa::le(Isa::lookup32(breakpoint, o), a);
-    F j = a * Isa::select(upper, Isa::lookup32(slope2, o), Isa::lookup32(slope1, o)) +
-          Isa::select(upper, Isa::lookup32(offset2, o), Isa::lookup32(offset1, o));
+    // a = max(n, 2^-31) (NaN, negatives -> 2^-31) or |n|, capped below 2 (NaN stays); its
+    // biased exponent, at least 96, is the octave (the permutes read it mod 32)
+    F a;
+    I o;
+    if constexpr (NEAR == kNearLinesUnsigned) {
+      a = Isa::min_or(F(1.99999988f), Isa::max_or(n, F(4.65661287e-10f)));
+      o = Isa::bits(a) >> 23;
+    } else {
+      a = Isa::min_or(F(1.99999988f), Isa::from_bits(Isa::bits(n) & I(0x7fffffffu)));
+      o = Isa::max_i(Isa::bits(a) >> 23, I(96u));
+    }
+    // the smaller of the octave's two lines (one line: the same twice); NaN stays NaN
+    F j = Isa::min_or(a * Isa::lookup32(slope1, o) + Isa::lookup32(offset1, o),
+                      a * Isa::lookup32(slope2, o) + Isa::lookup32(offset2, o));
     if constexpr (NEAR == kNearLinesSigned) j = Isa::select(Isa::lt(n, F(0.0f)), mirror - j, j);
     // octave_lines checked 0 <= r < 256 (the padded midpoint table) for every input but NaN,
     // which only the signed form lets through (INT32_MIN -> 0)
@@ -914,7 +919,7 @@ struct FastQuantizer {
       for (; j + G * W <= len; j += G * W) {
         for (int h = 0; h < G; ++h) n[h] = norm(j + h * W);
         code_group(n, c);
-        for (int h = 0; h < G; ++h) store(codes, c[h], first + j + h * W);
+        Isa::pack8n(codes + first + j, c);
       }
     }
     for (; j < len; j += W) store(codes, code(norm(j), first + j), first + j);

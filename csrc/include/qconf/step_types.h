@@ -50,8 +50,8 @@ struct CodecDesc {
   // computed exactly in fp32 (qconf/ops/step.py:codec_table)
   const float* grid = nullptr;
   // octave lines (qconf/ops/octave_lines.py): per octave of |n| slopes S1 [0:32], offsets A1
-  // [32:64], S2 [64:96], A2 [96:128] above the breakpoints [128:160], mirror K [160], and the
-  // form [161]: 0 none (search), 1 unsigned, 2 signed
+  // [32:64], S2 [64:96], A2 [96:128] (the estimate is the smaller line), mirror K [160], and
+  // the form [161]: 0 none (search), 1 unsigned, 2 signed
   const float* lines = nullptr;
   // qmap and midpoints (+inf padded) as planes for Isa::lookup256n: 16-bit halves [low 256 |
   // high 256], and bytes [byte 0 of 256 | byte 1 | byte 2 | byte 3] (1 KB each)
