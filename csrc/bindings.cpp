@@ -15,6 +15,7 @@
 
 #include "qconf/isa.h"
 #include "qconf/step_driver.h"
+#include "qconf/step_host.h"
 
 namespace {
 
@@ -37,7 +38,12 @@ struct StepPlan : torch::CustomClassHolder {
       std::vector<at::Tensor>& g;
       ~Release() { g.clear(); }
     } release{grads};
-    for (size_t i = 0; i < params.size(); ++i) {
+    const size_t n = params.size();
+    for (size_t i = 0; i < n; ++i) {
+      // .grad() reads the parameter's TensorImpl, then its autograd metadata: start both early
+      // (see qconf::host::prefetch_meta)
+      if (i + 4 < n) qconf::host::prefetch_meta(params[i + 4], false);
+      if (i + 2 < n) __builtin_prefetch(params[i + 2].unsafeGetTensorImpl()->autograd_meta());
       grads.push_back(params[i].grad());
       TORCH_CHECK(grads.back().defined(), "qconf fused_step: parameter ", i, " of the plan has no gradient");
     }
