@@ -75,3 +75,32 @@ def test_nan_and_out_of_range_values():
     row = octave_lines(mids)
     n = torch.tensor([float("nan"), float("inf"), float("-inf"), 3.0e38, -3.0e38, 2.0, -2.0])
     assert estimate_codes(row, mids, n).tolist() == [0, 255, 0, 255, 0, 255, 0]
+
+
+def test_fma32_rounds_once_like_the_kernels_fused_multiply_add():
+    # the emulation the exactness check relies on, against exact rational arithmetic; the crafted
+    # cases put a*b + c within a hair of a float32 midpoint, where rounding twice goes wrong
+    from fractions import Fraction
+
+    import numpy as np
+
+    from qconf.ops.octave_lines import fma32
+
+    def exact(x, y, z):
+        v = Fraction(x) * Fraction(y) + Fraction(z)
+        f = np.float32(float(v))
+        near = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+        return float(min(near, key=lambda q: (abs(Fraction(float(q)) - v), int(np.float32(q).view(np.int32)) & 1)))
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(3000, generator=g) * 2
+    b = (torch.rand(3000, generator=g) - 0.5) * 400
+    c = (torch.rand(3000, generator=g) - 0.5) * 400
+    ties = [(1 + 2.0**-k, s * (1 + 2.0**-k), t * 2.0**e) for k in (10, 11, 12) for s in (1, -1)
+            for t in (1, -1) for e in (-60, -100, -140)]
+    a = torch.cat([a, torch.tensor([x for x, _, _ in ties])])
+    b = torch.cat([b, torch.tensor([y for _, y, _ in ties])])
+    c = torch.cat([c, torch.tensor([z for _, _, z in ties])])
+    want = torch.tensor([exact(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())])
+    assert torch.equal(fma32(a, b, c), want)
+    assert not torch.equal((a * b + c)[-len(ties):], want[-len(ties):])  # two roundings differ there

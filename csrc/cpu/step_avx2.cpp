@@ -9,7 +9,7 @@
 #include "qconf/step_types.h"
 
 #if defined(__x86_64__) || defined(_M_X64)  // elsewhere every build is the portable one
-#pragma GCC target("avx2,f16c")
+#pragma GCC target("avx2,fma,f16c")
 #define QCONF_ISA_AVX2
 #endif
 

@@ -7,7 +7,7 @@ decade (5x sparser above a decade boundary), the linear, float-point and power-1
 octave. So per octave ``o`` of ``a = |n|`` (32 octaves: ``[2**-31, 1)``, everything below in
 octave 0, ``[1, 2)``) the smaller of two lines gives an estimate
 
-    j = min(a * S1[o] + A1[o], a * S2[o] + A2[o])   (fp32 multiply, then add: no contraction)
+    j = min(fma(a, S1[o], A1[o]), fma(a, S2[o], A2[o]))   (fp32 fused multiply-adds)
     j = K - j  if n < 0          (signed maps: the negative midpoints mirror the positive ones)
     r = rint(j)                  (NaN -> 0)
     t = r + (mid[r] < n)         (one exact probe)
@@ -56,8 +56,25 @@ def _line(xs: torch.Tensor, ks: list[int]) -> tuple[float, float]:
     return s, ks[0] - s * x0
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors rounded once to float32 (to nearest, ties to even), as the
+    kernels' fused multiply-add: the product is exact in float64, TwoSum gives the float64 sum's
+    exact error, and a float64 sum that lands exactly halfway between two float32s (the only
+    case where rounding it again could go the wrong way) is resolved by the error's sign."""
+    p = a.to(torch.float32).double() * b.to(torch.float32).double()
+    cd = c.to(torch.float32).double()
+    s = p + cd
+    bb = s - p
+    err = (p - (s - bb)) + (cd - bb)
+    r = s.float()
+    rd = r.double()
+    up, down = torch.nextafter(r, _f32(float("inf"))), torch.nextafter(r, _f32(float("-inf")))
+    r = torch.where((s > rd) & ((s - rd) == (up.double() - s)) & (err > 0), up, r)
+    return torch.where((s < rd) & ((rd - s) == (s - down.double())) & (err < 0), down, r)
+
+
 def _line_error(mids: torch.Tensor, ks: list[int], line: tuple[float, float]) -> float:
-    j = mids[ks] * _f32(line[0]) + _f32(line[1])
+    j = fma32(mids[ks], _f32(line[0]), _f32(line[1]))
     return float((j - torch.tensor(ks, dtype=torch.float32)).abs().max())
 
 
@@ -106,7 +123,7 @@ def line_index(row: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         a = n.abs()
     a = torch.where(a > A_CAP, _f32(A_CAP), a)  # min(cap, a); NaN stays NaN
     o = (((a.view(torch.int32) >> 23) & 0xFF).clamp(min=FIRST_EXPONENT) & (OCTAVES - 1)).long()
-    j = torch.minimum(a * row[:32][o] + row[32:64][o], a * row[64:96][o] + row[96:128][o])
+    j = torch.minimum(fma32(a, row[:32][o], row[32:64][o]), fma32(a, row[64:96][o], row[96:128][o]))
     if form == FORM_SIGNED:
         j = torch.where(n < 0, row[160] - j, j)
     # rint to int32; NaN and out-of-range lanes give INT32_MIN (the x86 "integer indefinite")

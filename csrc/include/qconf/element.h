@@ -251,6 +251,15 @@ QCONF_HD float qdiv(float a, float b) {
 #endif
 }
 
+// a * b + c rounded once (-ffp-contract=off never fuses on its own, so only where asked)
+QCONF_HD float qfma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+
 // torch.sign: +1, -1, or 0 for +-0 and NaN.
 QCONF_HD float qsign(float x) { return static_cast<float>((x > 0.0f) - (x < 0.0f)); }
 

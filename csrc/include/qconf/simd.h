@@ -23,6 +23,7 @@ struct VI {
 inline VF operator+(VF a, VF b) { return _mm512_add_ps(a.v, b.v); }
 inline VF operator-(VF a, VF b) { return _mm512_sub_ps(a.v, b.v); }
 inline VF operator*(VF a, VF b) { return _mm512_mul_ps(a.v, b.v); }
+inline VF qfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a.v, b.v, c.v); }  // element.h qfma
 inline VF operator-(VF a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN))); }
 inline VF qdiv(VF a, VF b) { return _mm512_div_ps(a.v, b.v); }
 inline VF qsqrt(VF a) { return _mm512_sqrt_ps(a.v); }
@@ -270,6 +271,7 @@ struct VI {
 inline VF operator+(VF a, VF b) { return _mm256_add_ps(a.v, b.v); }
 inline VF operator-(VF a, VF b) { return _mm256_sub_ps(a.v, b.v); }
 inline VF operator*(VF a, VF b) { return _mm256_mul_ps(a.v, b.v); }
+inline VF qfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }
 inline VF operator-(VF a) { return _mm256_xor_ps(a.v, _mm256_set1_ps(-0.0f)); }
 inline VF qdiv(VF a, VF b) { return _mm256_div_ps(a.v, b.v); }
 inline VF qsqrt(VF a) { return _mm256_sqrt_ps(a.v); }

@@ -853,9 +853,10 @@ struct FastQuantizer {
       a = Isa::min_or(F(1.99999988f), Isa::from_bits(Isa::bits(n) & I(0x7fffffffu)));
       o = Isa::max_i(Isa::bits(a) >> 23, I(96u));
     }
-    // the smaller of the octave's two lines (one line: the same twice); NaN stays NaN
-    F j = Isa::min_or(a * Isa::lookup32(slope1, o) + Isa::lookup32(offset1, o),
-                      a * Isa::lookup32(slope2, o) + Isa::lookup32(offset2, o));
+    // the smaller of the octave's two lines (one line: the same twice), each one fused
+    // multiply-add; NaN stays NaN
+    F j = Isa::min_or(qfma(a, Isa::lookup32(slope1, o), Isa::lookup32(offset1, o)),
+                      qfma(a, Isa::lookup32(slope2, o), Isa::lookup32(offset2, o)));
     if constexpr (NEAR == kNearLinesSigned) j = Isa::select(Isa::lt(n, F(0.0f)), mirror - j, j);
     // octave_lines checked 0 <= r < 256 (the padded midpoint table) for every input but NaN,
     // which only the signed form lets through (INT32_MIN -> 0)
