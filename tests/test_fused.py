@@ -164,6 +164,27 @@ def test_non_finite_gradients_poison_the_same_scales(scale, bits):
     assert any(torch.isnan(o_fus.state[p]["exp_avg"].scales).any() for p in p_fus)
 
 
+def _first_sgd_steps(blocks, state_cfg, tail=(), isa=None, monkeypatch=None):
+    """Reference and fused runs of one SGD momentum step whose gradient is `blocks` (each at most
+    63 values) after a 1.0 in every block of 64, then `tail`: the first step stores the gradient
+    as the momentum buffer, so with group_size 64 the values the kernel quantizes are exactly the
+    blocks' values. `isa` (with `monkeypatch`) forces the fused step's ISA."""
+    grad = torch.cat([torch.cat([torch.ones(1), b, torch.zeros(63 - b.numel())]) for b in blocks] + list(tail))
+    cfg = {"min_numel": 0, "states": {"exp_avg": state_cfg}}
+    runs = []
+    for fused in (False, True):
+        p = torch.nn.Parameter(torch.zeros(grad.numel()))
+        opt = SGD([p], lr=0.1, momentum=0.9, qconfig=cfg, fused=fused)
+        p.grad = grad.clone()
+        if isa is not None:
+            monkeypatch.setenv("QCONF_CPU_ISA", isa)
+        opt.step()
+        if isa is not None:
+            monkeypatch.delenv("QCONF_CPU_ISA")
+        runs.append(([p], opt))
+    return runs
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     # power-1 unsigned maps have midpoints (k + 1.5) / 2**bits: the kernel computes their codes
@@ -180,17 +201,8 @@ def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     around = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-1.0))])
     odd = torch.tensor([0.0, -0.0, -0.5, -1.0, 1e-40, 1e-30, 0.25 - 2 ** -26, 0.5 + 2 ** -24, 0.999999, 1.0])
     values = torch.cat([around, odd])
-    blocks = values.split(63)
-    grad = torch.cat([torch.cat([torch.ones(1), b, torch.zeros(63 - b.numel())]) for b in blocks])
-    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": bits, "map": "power-1", "signed": False,
-                                                  "scale": "group", "group_size": 64}}}
-    runs = []
-    for fused in (False, True):
-        p = torch.nn.Parameter(torch.zeros(grad.numel()))
-        opt = SGD([p], lr=0.1, momentum=0.9, qconfig=cfg, fused=fused)
-        p.grad = grad.clone()
-        opt.step()
-        runs.append(([p], opt))
+    runs = _first_sgd_steps(values.split(63), {"bits": bits, "map": "power-1", "signed": False,
+                                               "scale": "group", "group_size": 64})
     _assert_same(*runs)
     buf = runs[1][1].state[runs[1][0][0]]["momentum_buffer"]
     assert torch.equal(buf.scales, torch.ones_like(buf.scales))  # the values were normalized by 1
@@ -217,20 +229,10 @@ def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, i
     ends = _interval_ends(row, codec.midpoints) if row.any() else torch.cat([codec.midpoints] * 3)
     values = ends[torch.isfinite(ends) & (ends.abs() <= 1)]
     blocks = list(values.split(63)) + [torch.tensor([float("nan"), 0.5]), torch.tensor([float("inf"), -0.25])]
-    grad = torch.cat([torch.cat([torch.ones(1), b, torch.zeros(63 - b.numel())]) for b in blocks] + [torch.ones(16)])
-    assert (grad.numel() // 16) % 2 == 1
-    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": 8, "map": map, "signed": signed,
-                                                  "scale": "group", "group_size": 64}}}
-    runs = []
-    for fused in (False, True):
-        p = torch.nn.Parameter(torch.zeros(grad.numel()))
-        opt = SGD([p], lr=0.1, momentum=0.9, qconfig=cfg, fused=fused)
-        p.grad = grad.clone()
-        monkeypatch.setenv("QCONF_CPU_ISA", isa)
-        opt.step()
-        monkeypatch.delenv("QCONF_CPU_ISA")
-        runs.append(([p], opt))
+    runs = _first_sgd_steps(blocks, {"bits": 8, "map": map, "signed": signed, "scale": "group", "group_size": 64},
+                            tail=[torch.ones(16)], isa=isa, monkeypatch=monkeypatch)
     (p_ref, o_ref), (p_fus, o_fus) = runs
+    assert (p_fus[0].numel() // 16) % 2 == 1
     a, b = o_ref.state[p_ref[0]]["momentum_buffer"], o_fus.state[p_fus[0]]["momentum_buffer"]
     assert torch.equal(a.codes, b.codes)
     assert torch.equal(b.scales[:-3], torch.ones_like(b.scales[:-3]))  # normalized by 1
