@@ -8,8 +8,8 @@
 See docs/config.md for every key and the resolution rules.
 """
 from .loader import load_config
-from .plan import StatePlan
+from .plan import StatePlan, resolve_plan
 from .schema import DEFAULT_STATES, STATE_NAMES, Override, QConfig, StateConfig, WeightsConfig
 
-__all__ = ["QConfig", "StateConfig", "WeightsConfig", "Override", "StatePlan", "load_config",
+__all__ = ["QConfig", "StateConfig", "WeightsConfig", "Override", "StatePlan", "resolve_plan", "load_config",
            "STATE_NAMES", "DEFAULT_STATES"]
