@@ -9,7 +9,7 @@ import yaml
 
 from qconf._table import format_table
 from qconf.cli import main, parse_model_shapes
-from qconf.config import load_config
+from qconf.config import load_config, resolve_plan
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = str(REPO / "configs" / "default.yml")
@@ -95,7 +95,7 @@ def test_show_table(capsys):
     embed = rows["embed.weight"]
     assert "1000x64" in embed and "64000" in embed
     assert "4-bit nonlinear group128" in embed and "4-bit unsigned power-1 rank1" in embed
-    plan = load_config(DEFAULT).plan("embed.weight", (1000, 64))
+    plan = resolve_plan(load_config(DEFAULT), "embed.weight", (1000, 64))
     assert str(plan.state_nbytes("exp_avg")) in embed and str(plan.nbytes()) in embed
     assert str(plan.fp32_nbytes() * 2) in embed
     assert rows["layers.0.attn.weight"].count("fp32") == 2            # 4096 elements: not > 4096

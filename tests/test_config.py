@@ -12,7 +12,7 @@ import yaml
 import qconf
 from qconf.codec import Codec
 from qconf.config import (DEFAULT_STATES, STATE_NAMES, Override, QConfig, StateConfig, StatePlan, WeightsConfig,
-                          load_config)
+                          load_config, resolve_plan)
 from qconf.errors import QConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_equality_hash_pickle():
     assert a == b and hash(a) == hash(b)
     assert a != load_config({})
     c = pickle.loads(pickle.dumps(a))
-    assert c == a and c.plan("w", (100, 100)) == a.plan("w", (100, 100))
+    assert c == a and resolve_plan(c, "w", (100, 100)) == resolve_plan(a, "w", (100, 100))
     ov = Override(match="re:.*bias", enable=False)
     assert pickle.loads(pickle.dumps(ov)).matches("x.bias", (3,))
     assert copy.deepcopy(a) == a
@@ -204,7 +204,7 @@ def test_8bit_and_fp32():
     assert e.states["exp_avg_sq"] == StateConfig(bits=8, map="nonlinear", signed=False, scale="group", group_size=256)
     f = load_config(REPO / "configs" / "fp32.yml")
     assert all(not s.enable for s in f.states.values())
-    assert all(c is None for c in f.plan("w", (1 << 20,)).codecs.values())
+    assert all(c is None for c in resolve_plan(f, "w", (1 << 20,)).codecs.values())
 
 
 def test_state_codec():

@@ -2,14 +2,17 @@
 :class:`StatePlan` (which :class:`~qconf.codec.Codec` each optimizer state gets).
 
     cfg = load_config("configs/default.yml")
-    plan = cfg.plan("layers.0.attn.weight", (4096, 4096))
+    plan = resolve_plan(cfg, "layers.0.attn.weight", (4096, 4096))
     plan.codec("exp_avg_sq")      # Codec(bits=4, map='power-1', signed=False, scale='rank1', ...)
 
-See docs/config.md for every key and the resolution rules.
+Modules, lowest first: ``frozen`` (FrozenDict), ``rules`` (field rules, section checks, problem
+reporting), ``model`` (the frozen dataclasses), ``lpmm`` (lpmm's format -> native), ``loader``
+(YAML, ``base`` chains -> QConfig), ``plan`` (QConfig + parameter -> StatePlan). See
+docs/config.md for every key and the resolution rules.
 """
 from .loader import load_config
 from .plan import StatePlan, resolve_plan
-from .schema import DEFAULT_STATES, STATE_NAMES, Override, QConfig, StateConfig, WeightsConfig
+from .model import DEFAULT_STATES, STATE_NAMES, Override, QConfig, StateConfig, WeightsConfig
 
 __all__ = ["QConfig", "StateConfig", "WeightsConfig", "Override", "StatePlan", "resolve_plan", "load_config",
            "STATE_NAMES", "DEFAULT_STATES"]

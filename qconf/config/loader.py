@@ -27,8 +27,9 @@ import yaml
 
 from ..errors import Problem, QConfigError, QConfigWarning
 from .lpmm import is_upper_key, lpmm_to_native
-from .schema import (TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, QConfig, Override, Reporter, WeightsConfig, _BAD,
-                     check_override, check_section, check_states, check_value, fmt, join, kind, unknown_key)
+from .model import Override, QConfig, WeightsConfig
+from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, check_override, check_section, check_states,
+                    check_value, fmt, join, kind, unknown_key)
 
 __all__ = ["load_config"]
 
@@ -103,7 +104,7 @@ class _Loader:
         rep = Reporter(path)
         raw = _read_yaml(path, rep)
         merged: dict[str, Any] = {}
-        if raw is not _BAD:
+        if raw is not BAD:
             merged = self._load_document(raw, rep, os.path.dirname(path), stack + [(real, path)])
         self.problems.extend(rep.problems)
         self.cache[real] = merged
@@ -169,7 +170,7 @@ def _native_partial(raw: Mapping[Any, Any], rep: Reporter) -> dict[str, Any]:
     for key, value in raw.items():
         if key in TOP_FIELDS:
             checked = check_value(TOP_FIELDS[key], value, key, rep)
-            if checked is not _BAD:
+            if checked is not BAD:
                 out[key] = checked
         elif key == "base":
             out["base"] = _native_base(value, rep)
@@ -264,14 +265,14 @@ def _build(merged: dict[str, Any], top: str, source: str | None) -> QConfig:
 # YAML
 # ---------------------------------------------------------------------------------------------
 def _read_yaml(path: str, rep: Reporter) -> Any:
-    """Parse one YAML file; report (and return ``_BAD``) on unreadable files, syntax errors and
+    """Parse one YAML file; report (and return ``BAD``) on unreadable files, syntax errors and
     duplicate keys. An empty file is ``None``."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         rep.add("", path, f"cannot read config file: {e.strerror or e}")
-        return _BAD
+        return BAD
     loader = None
     try:
         loader = yaml.SafeLoader(data)
@@ -281,7 +282,7 @@ def _read_yaml(path: str, rep: Reporter) -> Any:
         before = len(rep.problems)
         _find_duplicate_keys(node, "", rep, set())
         if len(rep.problems) != before:
-            return _BAD
+            return BAD
         return loader.construct_document(node)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -298,7 +299,7 @@ def _read_yaml(path: str, rep: Reporter) -> Any:
     finally:
         if loader is not None:
             loader.dispose()
-    return _BAD
+    return BAD
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"

@@ -25,8 +25,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..codec import SCALE_TYPES
-from .schema import (STATE_FIELDS, Reporter, Spec, _BAD, check_value, fmt, join, kind, suggest,
-                     unknown_key)
+from .rules import BAD, STATE_FIELDS, Reporter, Spec, check_value, fmt, join, kind, suggest, unknown_key
 
 __all__ = ["LPMM_SECTIONS", "is_upper_key", "lpmm_to_native"]
 
@@ -128,23 +127,23 @@ def _section(value: Any, path: str, rep: Reporter, ignored: list[str]) -> dict[s
         if key in _SECTION_SCALARS:
             field = _SECTION_SCALARS[key]
             checked = check_value(STATE_FIELDS[field], item, p, rep)
-            if checked is not _BAD:
+            if checked is not BAD:
                 out[field] = checked
         elif key == "THRESHOLD":
             checked = check_value(_THRESHOLD, item, p, rep)
-            if checked is not _BAD:
+            if checked is not BAD:
                 out["min_numel"] = 0 if checked is None else checked  # yacs lets null disable it
         elif key == "SCALE_TYPE":
             scale = _typed_default(item, p, rep, ignored, _scale_type)
-            if scale is not _BAD:
+            if scale is not BAD:
                 out["scale"] = scale
         elif key == "QUANT_TYPE":
             qmap = _typed_default(item, p, rep, ignored, _quant_type)
-            if qmap is not _BAD:
+            if qmap is not BAD:
                 out["map"] = qmap
         elif key == "ROUND_TYPE":
             rounding = _round_type(item, p, rep)
-            if rounding is not _BAD:
+            if rounding is not BAD:
                 out["rounding"] = rounding
         elif key in _SECTION_IGNORED:
             ignored.append(p)
@@ -158,8 +157,8 @@ def _typed_default(value: Any, path: str, rep: Reporter, ignored: list[str], con
     if not isinstance(value, Mapping):
         rep.add(path, value, f"expected a mapping, got {kind(value)} {fmt(value)}",
                 "a mapping like {DEFAULT: ...} (lpmm's format)")
-        return _BAD
-    result: Any = _BAD
+        return BAD
+    result: Any = BAD
     for key, item in value.items():
         p = join(path, key)
         if key == "DEFAULT":
@@ -175,14 +174,14 @@ def _scale_type(value: Any, path: str, rep: Reporter) -> Any:
     allowed = ", ".join(SCALE_TYPES)
     if not isinstance(value, str):
         rep.add(path, value, f"{fmt(value)} is not a string", allowed)
-        return _BAD
+        return BAD
     if value in _SCALE_UNSUPPORTED:
         rep.add(path, value, f"lpmm scale type {value!r} is not supported by qconf", allowed)
-        return _BAD
+        return BAD
     if value not in SCALE_TYPES:
         rep.add(path, value, f"{fmt(value)} is not a valid scale type", allowed,
                 suggest(value, tuple(SCALE_TYPES) + _SCALE_UNSUPPORTED))
-        return _BAD
+        return BAD
     return value
 
 
@@ -194,13 +193,13 @@ def _round_type(value: Any, path: str, rep: Reporter) -> Any:
     allowed = ", ".join(ROUND_TYPES)
     if not isinstance(value, str):
         rep.add(path, value, f"{fmt(value)} is not a string", allowed)
-        return _BAD
+        return BAD
     if value in _ROUND_SIMULATION:
         rep.add(path, value, f"ROUND_TYPE {value!r} is an lpmm simulation mode (unpacked codes, no memory "
                 "saving) that qconf does not support", allowed)
-        return _BAD
+        return BAD
     if value not in ROUND_TYPES:
         rep.add(path, value, f"{fmt(value)} is not a valid ROUND_TYPE", allowed,
                 suggest(value, tuple(ROUND_TYPES) + _ROUND_SIMULATION))
-        return _BAD
+        return BAD
     return ROUND_TYPES[value]

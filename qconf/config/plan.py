@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 
 from ..codec import Codec
 from ..errors import Problem, QConfigError
-from .schema import STATE_NAMES, FrozenDict, QConfig, WeightsConfig, make_codec
+from .frozen import FrozenDict
+from .model import STATE_NAMES, QConfig, WeightsConfig, make_codec
 
 __all__ = ["StatePlan", "resolve_plan", "describe_codec"]
 

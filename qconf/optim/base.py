@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from ..codec import QTensor
 from ..codec import rng
-from ..config import QConfig, StatePlan, load_config
+from ..config import QConfig, StatePlan, load_config, resolve_plan
 from . import checkpoint
 from . import weights as wts
 
@@ -153,7 +153,7 @@ class QOptimizer(Optimizer):
 
     def _resolve_plan(self, name: str, p: torch.Tensor, force_enable: bool | None) -> StatePlan:
         """The qconfig's plan for ``p`` with this optimizer's weights arguments applied."""
-        plan = self.qconfig.plan(name, tuple(p.shape), force_enable=force_enable)
+        plan = resolve_plan(self.qconfig, name, tuple(p.shape), force_enable=force_enable)
         weights = plan.weights
         if self._bf16_sr and p.dtype == torch.bfloat16:
             weights = dataclasses.replace(weights, rounding="stochastic")

@@ -1,63 +1,35 @@
-"""The native qconfig schema: frozen dataclasses plus the field rules that validate them.
+"""The validation rules of the native qconfig schema: one :class:`Spec` per scalar field, the
+checks of every section (``states``, ``weights``, ``overrides``, codec sections, ``match``
+selectors) and the problem reporting they share.
 
-A :class:`QConfig` holds one :class:`StateConfig` per optimizer state (``STATE_NAMES``), a
-:class:`WeightsConfig` and an ordered tuple of :class:`Override`. Every field is checked by the
-rules in this module -- the YAML loader (:mod:`qconf.config.loader`) and the dataclass
-constructors share them, so a value rejected in a file is also rejected from Python.
-
-Adding an optimizer state is one entry in :data:`DEFAULT_STATES`.
+Each check appends :class:`~qconf.errors.Problem` records (file, key path, bad value, what is
+allowed, did-you-mean) to a :class:`Reporter` and returns the valid part, or :data:`BAD`. The YAML
+loader (:mod:`qconf.config.loader`, :mod:`qconf.config.lpmm`) and the dataclass constructors
+(:mod:`qconf.config.model`) use the same rules, so a value rejected in a file is also rejected
+from Python.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import fnmatch
-import functools
-import math
 import numbers
 import re
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from ..codec import MAP_NAMES, ROUNDING_MODES, SCALE_TYPES, Codec
+from ..codec import MAP_NAMES, ROUNDING_MODES, SCALE_TYPES
 from ..errors import Problem, QConfigError
+from .frozen import FrozenDict
 
 __all__ = [
-    "FrozenDict", "StateConfig", "WeightsConfig", "Override", "QConfig",
-    "STATE_NAMES", "DEFAULT_STATES", "STATE_FIELDS", "WEIGHTS_FIELDS", "make_codec",
+    "BAD", "Reporter", "Spec", "join", "fmt", "kind", "suggest", "unknown_key", "check_value", "check_section",
+    "check_states", "check_codec", "check_override", "check_match", "compile_match", "state_combo_problem",
+    "STATE_NAMES", "STATE_FIELDS", "OVERRIDE_STATE_FIELDS", "CODEC_FIELDS", "WEIGHTS_FIELDS", "TOP_FIELDS",
+    "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS",
 ]
 
-
-# ---------------------------------------------------------------------------------------------
-# An immutable, hashable mapping (MappingProxyType neither hashes nor pickles).
-# ---------------------------------------------------------------------------------------------
-class FrozenDict(Mapping):
-    """A read-only dict: equal to any mapping with the same items, hashable, picklable."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._data = dict(*args, **kwargs)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._data
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return self._data == dict(other.items())
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(frozenset(self._data.items()))
-
-    def __repr__(self) -> str:
-        return f"FrozenDict({self._data!r})"
+#: The optimizer-state sections of a qconfig (their defaults: :data:`qconf.config.model.DEFAULT_STATES`).
+STATE_NAMES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,7 +129,7 @@ def unknown_key(rep: Reporter, path: str, key: Any, allowed: Sequence[str], noun
 # ---------------------------------------------------------------------------------------------
 # Field rules
 # ---------------------------------------------------------------------------------------------
-_BAD = object()  # check_value's "invalid" result
+BAD = object()  #: what a check returns for an invalid value (after reporting it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +161,7 @@ class Spec:
 
 
 def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
-    """Return the (normalized) value, or ``_BAD`` after reporting why it is invalid."""
+    """Return the (normalized) value, or ``BAD`` after reporting why it is invalid."""
     if value is None and spec.nullable:
         return None
     if spec.kind == "codec":
@@ -197,24 +169,24 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
     if spec.kind == "bool":
         if not isinstance(value, bool):
             rep.add(path, value, f"{fmt(value)} is not a boolean", spec.allowed())
-            return _BAD
+            return BAD
         return value
     if spec.kind == "int":
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             rep.add(path, value, f"{fmt(value)} is not an integer", spec.allowed())
-            return _BAD
+            return BAD
         value = int(value)
         if (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
             what = "is not supported" if spec.lo == spec.hi else "is out of range"
             rep.add(path, value, f"{value} {what}", spec.allowed())
-            return _BAD
+            return BAD
         return value
     if not isinstance(value, str):
         rep.add(path, value, f"{fmt(value)} is not a string", spec.allowed())
-        return _BAD
+        return BAD
     if value not in spec.choices:
         rep.add(path, value, f"{fmt(value)} is not a valid {spec.noun}", spec.allowed(), suggest(value, spec.choices))
-        return _BAD
+        return BAD
     return value
 
 
@@ -252,29 +224,29 @@ WEIGHTS_FIELDS: Mapping[str, Spec] = FrozenDict({
 
 def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
     """Validate a codec section (``weights.compensation_codec``); return it complete (defaults
-    filled in) as a FrozenDict, or ``_BAD``. The Kahan buffer is quantized block by block in the
+    filled in) as a FrozenDict, or ``BAD``. The Kahan buffer is quantized block by block in the
     same pass as the parameter, so only group scales with blocks that fit a kernel tile are allowed."""
     if not isinstance(raw, Mapping):
         rep.add(path, raw, f"expected a mapping of codec fields, got {kind(raw)} {fmt(raw)}",
                 Spec("codec", nullable=True).allowed())
-        return _BAD
+        return BAD
     before = len(rep.problems)
     fields = check_section(raw, CODEC_FIELDS, path, rep)
     if len(rep.problems) != before:
-        return _BAD
+        return BAD
     merged = {**COMPENSATION_CODEC_DEFAULTS, **fields}
     combo = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
     if combo:
         rep.add(path, dict(raw), combo, "bits >= 2 for a signed linear map")
-        return _BAD
+        return BAD
     if merged["scale"] != "group":
         rep.add(join(path, "scale"), merged["scale"], f"{fmt(merged['scale'])} is not supported for the "
                 "compensation buffer (it is quantized block by block in the same pass as the parameter)", "group")
-        return _BAD
+        return BAD
     if merged["group_size"] > MAX_COMPENSATION_GROUP:
         rep.add(join(path, "group_size"), merged["group_size"], f"{merged['group_size']} is too large for the "
                 "compensation buffer (a block must fit one kernel tile)", f"integer 1..{MAX_COMPENSATION_GROUP}")
-        return _BAD
+        return BAD
     return FrozenDict(merged)
 #: Rules for the scalar top-level keys.
 TOP_FIELDS: Mapping[str, Spec] = FrozenDict({
@@ -313,7 +285,7 @@ def check_section(raw: Any, fields: Mapping[str, Spec], path: str, rep: Reporter
                 unknown_key(rep, path, key, list(fields))
             continue
         checked = check_value(fields[key], value, join(path, key), rep)
-        if checked is not _BAD:
+        if checked is not BAD:
             out[key] = checked
     return out
 
@@ -375,22 +347,22 @@ def compile_match(pattern: str) -> re.Pattern[str]:
 def check_match(value: Any, path: str, rep: Reporter) -> Any:
     if not isinstance(value, str):
         rep.add(path, value, f"{fmt(value)} is not a string", MATCH_ALLOWED)
-        return _BAD
+        return BAD
     if value.startswith("re:"):
         regex = value[3:]
         if not regex:
             rep.add(path, value, "empty regex after 're:'", MATCH_ALLOWED)
-            return _BAD
+            return BAD
         try:
             re.compile(regex)
         except (re.error, OverflowError, ValueError, RecursionError) as e:
             rep.add(path, value, f"regex {regex!r} does not compile: {e}", "a valid Python regular expression")
-            return _BAD
+            return BAD
         return value
     problem = _glob_problem(value)
     if problem:
         rep.add(path, value, problem, MATCH_ALLOWED)
-        return _BAD
+        return BAD
     return value
 
 
@@ -412,15 +384,15 @@ def check_override(raw: Any, path: str, rep: Reporter) -> dict[str, Any] | None:
             continue  # null = not given
         elif key == "match":
             checked = check_match(value, p, rep)
-            if checked is not _BAD:
+            if checked is not BAD:
                 out[key] = checked
         elif key == "enable":
             checked = check_value(STATE_FIELDS["enable"], value, p, rep)
-            if checked is not _BAD:
+            if checked is not BAD:
                 out[key] = checked
         elif key in SELECTOR_FIELDS:
             checked = check_value(SELECTOR_FIELDS[key], value, p, rep)
-            if checked is not _BAD:
+            if checked is not BAD:
                 out[key] = checked
         elif key == "states":
             states = check_states(value, p, rep, fields=OVERRIDE_STATE_FIELDS)
@@ -451,271 +423,3 @@ def _values(x: Any) -> list[Any]:
 
 def _nonempty(x: Any) -> bool:
     return x is not None and not (isinstance(x, Mapping) and len(x) == 0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dataclasses
-# ---------------------------------------------------------------------------------------------
-def _reraise(e: QConfigError, file: str, prefix: str) -> QConfigError:
-    return QConfigError([dataclasses.replace(p, file=file, key_path=join(prefix, p.key_path) if p.key_path
-                                             else prefix) for p in e.problems])
-
-
-@functools.lru_cache(maxsize=1024)
-def make_codec(bits: int, map: str, signed: bool, scale: str, group_size: int, rounding: str) -> Codec:
-    """A shared :class:`~qconf.codec.Codec` per distinct description (codecs are immutable)."""
-    return Codec(bits=bits, map=map, signed=signed, scale=scale, group_size=group_size, rounding=rounding)
-
-
-@dataclasses.dataclass(frozen=True)
-class StateConfig:
-    """How one optimizer state is stored (lpmm: one ``QUANT.M`` / ``QUANT.SQM`` section).
-
-    ``min_numel=None`` inherits :attr:`QConfig.min_numel`. See docs/config.md for every field.
-    """
-
-    enable: bool = True
-    bits: int = 4
-    map: str = "nonlinear"
-    signed: bool = True
-    scale: str = "group"
-    group_size: int = 128
-    rounding: str = "nearest"
-    min_numel: int | None = None
-
-    def __post_init__(self) -> None:
-        rep = Reporter("<StateConfig>")
-        for name, spec in STATE_FIELDS.items():
-            value = check_value(spec, getattr(self, name), name, rep)
-            if value is not _BAD:
-                object.__setattr__(self, name, value)
-        if not rep.problems:
-            msg = state_combo_problem(self.bits, self.map, self.signed)
-            if msg:
-                rep.add("bits", self.bits, msg, "bits 2..8, or signed: false")
-        rep.raise_if_any()
-
-    def codec(self) -> Codec:
-        """The codec this section describes (ignores ``enable`` and ``min_numel``)."""
-        return make_codec(self.bits, self.map, self.signed, self.scale, self.group_size, self.rounding)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in STATE_FIELDS}
-
-
-#: The default section of each state: lpmm's ``_C`` defaults (``QUANT.M`` and ``QUANT.SQM``).
-#: Adding a state to qconf is one entry here.
-DEFAULT_STATES: Mapping[str, StateConfig] = FrozenDict({
-    "exp_avg": StateConfig(),                                   # first moment / SGD momentum
-    "exp_avg_sq": StateConfig(signed=False, map="power-1"),     # second moment
-})
-STATE_NAMES: tuple[str, ...] = tuple(DEFAULT_STATES)
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightsConfig:
-    """How low-precision (bf16/fp16) parameters receive their updates."""
-
-    rounding: str = "nearest"       # nearest | stochastic
-    compensation: str = "none"      # none | kahan
-    compensation_codec: Mapping[str, Any] | None = None  # Kahan buffer codec; None = parameter dtype
-
-    def __post_init__(self) -> None:
-        rep = Reporter("<WeightsConfig>")
-        for name, spec in WEIGHTS_FIELDS.items():
-            checked = check_value(spec, getattr(self, name), name, rep)
-            if name == "compensation_codec" and checked is not _BAD:
-                object.__setattr__(self, name, checked)
-        rep.raise_if_any()
-
-    def codec(self) -> "Codec | None":  # noqa: F821
-        """The Codec of the Kahan compensation buffer, or None to keep it in the parameter's dtype."""
-        c = self.compensation_codec
-        return None if c is None else make_codec(c["bits"], c["map"], c["signed"], c["scale"], c["group_size"],
-                                                  c["rounding"])
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in WEIGHTS_FIELDS}
-        if out["compensation_codec"] is not None:
-            out["compensation_codec"] = dict(out["compensation_codec"])
-        return out
-
-
-def _shape_numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Override:
-    """A per-parameter exception. Selectors (all given must hold, at least one required):
-    ``match`` (glob, or ``re:<regex>`` fullmatch, on the qualified name), ``ndim``, and inclusive
-    ``min_numel``/``max_numel`` bounds. Actions: ``enable`` (forces every state on or off, even
-    below the threshold), ``states`` (partial state fields; an ``enable`` there forces that
-    state) and ``weights`` (partial weights fields)."""
-
-    match: str | None = None
-    ndim: int | None = None
-    min_numel: int | None = None
-    max_numel: int | None = None
-    enable: bool | None = None
-    states: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=FrozenDict)
-    weights: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)
-
-    def __post_init__(self) -> None:
-        rep = Reporter("<Override>")
-        raw = {k: getattr(self, k) for k in OVERRIDE_KEYS}
-        clean = check_override(raw, "", rep)
-        rep.raise_if_any()
-        assert clean is not None
-        states = clean.get("states", {})
-        object.__setattr__(self, "states", FrozenDict(
-            (s, FrozenDict((f, states[s][f]) for f in OVERRIDE_STATE_FIELDS if f in states[s]))
-            for s in STATE_NAMES if s in states))
-        weights = clean.get("weights", {})
-        object.__setattr__(self, "weights", FrozenDict((f, weights[f]) for f in WEIGHTS_FIELDS if f in weights))
-        for key in ("ndim", "min_numel", "max_numel"):
-            if clean.get(key) is not None:
-                object.__setattr__(self, key, clean[key])
-        object.__setattr__(self, "_regex", compile_match(self.match) if self.match is not None else None)
-
-    def matches(self, name: str, shape: Sequence[int]) -> bool:
-        """Whether every given selector holds for parameter ``name`` of ``shape``."""
-        if self.ndim is not None and len(shape) != self.ndim:
-            return False
-        if self.min_numel is not None or self.max_numel is not None:
-            numel = _shape_numel(shape)
-            if self.min_numel is not None and numel < self.min_numel:
-                return False
-            if self.max_numel is not None and numel > self.max_numel:
-                return False
-        if self._regex is not None and self._regex.fullmatch(name) is None:
-            return False
-        return True
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data with only the keys that are set."""
-        out: dict[str, Any] = {}
-        for key in ("match", "ndim", "min_numel", "max_numel", "enable"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.states:
-            out["states"] = {s: dict(f) for s, f in self.states.items()}
-        if self.weights:
-            out["weights"] = dict(self.weights)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class QConfig:
-    """A validated qconfig. Build one with :func:`qconf.load_config` (file, dict) or directly.
-
-    ``states`` always holds every name in :data:`STATE_NAMES`; when constructing directly, a
-    missing state gets its :data:`DEFAULT_STATES` section and a state given as a mapping is
-    applied on top of it. ``weights`` may be a mapping and ``overrides`` a list of mappings.
-    """
-
-    version: int = 1
-    min_numel: int = 4096
-    states: Mapping[str, StateConfig] = dataclasses.field(default_factory=lambda: DEFAULT_STATES)
-    weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
-    overrides: tuple[Override, ...] = ()
-    source: str | None = dataclasses.field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        rep = Reporter("<QConfig>")
-        for key, spec in TOP_FIELDS.items():
-            check_value(spec, getattr(self, key), key, rep)
-        states = self._normalize_states(rep)
-        weights = self._normalize_weights(rep)
-        overrides = self._normalize_overrides(rep)
-        if states is not None and overrides is not None:
-            for i, ov in enumerate(overrides):
-                for name, fields in ov.states.items():
-                    merged = {**states[name].to_dict(), **fields}
-                    msg = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
-                    if msg:
-                        rep.add(f"overrides[{i}].states.{name}", dict(fields),
-                                msg + f" (combined with states.{name})", "bits 2..8, or signed: false")
-        rep.raise_if_any()
-        object.__setattr__(self, "states", states)
-        object.__setattr__(self, "weights", weights)
-        object.__setattr__(self, "overrides", overrides)
-
-    def _normalize_states(self, rep: Reporter) -> FrozenDict | None:
-        if not isinstance(self.states, Mapping):
-            rep.add("states", self.states, f"expected a mapping, got {kind(self.states)}",
-                    f"a mapping with keys {', '.join(STATE_NAMES)}")
-            return None
-        out: dict[str, StateConfig] = {}
-        for name, section in self.states.items():
-            path = join("states", name)
-            if name not in STATE_NAMES:
-                unknown_key(rep, "states", name, STATE_NAMES, noun="state")
-            elif isinstance(section, StateConfig):
-                out[name] = section
-            elif isinstance(section, Mapping) or section is None:
-                fields = check_section(section, STATE_FIELDS, path, rep)
-                try:
-                    out[name] = dataclasses.replace(DEFAULT_STATES[name], **fields)
-                except QConfigError as e:
-                    rep.problems.extend(_reraise(e, rep.file, path).problems)
-            else:
-                rep.add(path, section, f"expected a StateConfig or a mapping, got {kind(section)}",
-                        f"a mapping with keys {', '.join(STATE_FIELDS)}")
-        if len(out) != len(self.states):
-            return None
-        return FrozenDict((name, out.get(name, DEFAULT_STATES[name])) for name in STATE_NAMES)
-
-    def _normalize_weights(self, rep: Reporter) -> WeightsConfig | None:
-        if isinstance(self.weights, WeightsConfig):
-            return self.weights
-        if isinstance(self.weights, Mapping) or self.weights is None:
-            before = len(rep.problems)
-            fields = check_section(self.weights, WEIGHTS_FIELDS, "weights", rep)
-            return WeightsConfig(**fields) if len(rep.problems) == before else None
-        rep.add("weights", self.weights, f"expected a WeightsConfig or a mapping, got {kind(self.weights)}",
-                f"a mapping with keys {', '.join(WEIGHTS_FIELDS)}")
-        return None
-
-    def _normalize_overrides(self, rep: Reporter) -> tuple[Override, ...] | None:
-        if self.overrides is None:
-            return ()
-        if isinstance(self.overrides, (str, bytes, Mapping)) or not isinstance(self.overrides, Sequence):
-            rep.add("overrides", self.overrides, f"expected a list, got {kind(self.overrides)}",
-                    "a list of overrides")
-            return None
-        out: list[Override] = []
-        for i, ov in enumerate(self.overrides):
-            path = f"overrides[{i}]"
-            if isinstance(ov, Override):
-                out.append(ov)
-                continue
-            clean = check_override(ov, path, rep)
-            if clean is not None:
-                out.append(Override(**clean))
-        return tuple(out) if len(out) == len(self.overrides) else None
-
-    # -- use -------------------------------------------------------------------------------------
-    def plan(self, name: str, shape: Sequence[int], *, force_enable: bool | None = None
-             ) -> "StatePlan":  # noqa: F821 (plan.py)
-        """Resolve which codec each state of parameter ``name`` (of ``shape``) gets.
-
-        ``force_enable`` (the optimizer's ``override_quantize_enable``) is applied after every
-        override: ``True``/``False`` forces all states of this parameter on/off."""
-        from .plan import resolve_plan
-        return resolve_plan(self, name, shape, force_enable=force_enable)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data in the full explicit native form: ``load_config(cfg.to_dict()) == cfg``."""
-        return {
-            "version": self.version,
-            "min_numel": self.min_numel,
-            "states": {name: self.states[name].to_dict() for name in STATE_NAMES},
-            "weights": self.weights.to_dict(),
-            "overrides": [ov.to_dict() for ov in self.overrides],
-        }
-
-    def to_yaml(self) -> str:
-        """``to_dict()`` as YAML text (keys in schema order)."""
-        import yaml
-        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
