@@ -94,20 +94,26 @@ def _nbytes(value: Any) -> int:
 def memory_report(opt: Any) -> MemoryReport:
     """Report the state memory of a qconf optimizer (see module docstring)."""
     rows = []
-    for index, (name, p, group) in enumerate(opt._named_params()):
-        plan = opt.plan(index)
-        state = opt.state.get(p, {})
-        states, formats = {}, {}
-        for spec in opt._specs(group, p, plan):
-            codec = opt._codec_for(plan, spec)
-            value = state.get(spec.key)
-            if value is not None:
-                states[spec.key] = _nbytes(value)
-                codec = value.codec if isinstance(value, QTensor) else None
-            else:
-                states[spec.key] = codec.nbytes(spec.shape) if codec is not None else 4 * math.prod(spec.shape)
-            formats[spec.key] = (str(spec.dtype).removeprefix("torch.") if codec is None
-                                 else describe_codec(codec, spec.shape))
-        fp32 = 4 * p.numel() * opt.fp32_state_count(group)
-        rows.append(MemoryRow(name or f"param{index}", tuple(p.shape), states, formats, fp32))
+    index = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            rows.append(_row(opt, index, p, group))
+            index += 1
     return MemoryReport(tuple(rows))
+
+
+def _row(opt: Any, index: int, p: torch.Tensor, group: dict[str, Any]) -> MemoryRow:
+    """Parameter ``index``'s states: their bytes (held, or planned) and formats."""
+    state = opt.state.get(p, {})
+    states, formats = {}, {}
+    for spec, codec in opt.planned_states(index):
+        value = state.get(spec.key)
+        if value is not None:
+            states[spec.key] = _nbytes(value)
+            codec = value.codec if isinstance(value, QTensor) else None
+        else:
+            states[spec.key] = codec.nbytes(spec.shape) if codec is not None else 4 * math.prod(spec.shape)
+        formats[spec.key] = (str(spec.dtype).removeprefix("torch.") if codec is None
+                             else describe_codec(codec, spec.shape))
+    fp32 = 4 * p.numel() * opt.fp32_state_count(group)
+    return MemoryRow(opt.param_name(index) or f"param{index}", tuple(p.shape), states, formats, fp32)

@@ -6,12 +6,11 @@ import itertools
 import pytest
 import torch
 
-from qconf import Codec
+from qconf import Codec, _native
 from qconf.codec import MAP_NAMES, SCALE_TYPES
 
-ops = pytest.importorskip("qconf.ops")
-if not ops.native_available():  # pragma: no cover
-    pytest.skip(f"extension unavailable: {ops.native_error()}", allow_module_level=True)
+if not _native.native_available():  # pragma: no cover
+    pytest.skip(f"extension unavailable: {_native.native_error()}", allow_module_level=True)
 
 SHAPES = [(1,), (127,), (4097,), (33, 130), (3, 5, 7), (2, 3, 4, 5), (300, 70), (40000,)]
 

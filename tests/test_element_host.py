@@ -21,6 +21,7 @@ from qconf.codec import Codec, packing, rng
 from qconf.codec.qmap import MAP_NAMES
 from qconf.codec.scales import compute_scales
 from qconf.optim import SGD, Adam, AdamW, Lion
+from qconf.optim.fused import hyper_values
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,7 +143,7 @@ def ext(tmp_path_factory):
 
 
 def _tables(codec: Codec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' first three table rows (qconf/ops/step.py codec_table): the map padded with
+    """The kernels' first three table rows (qconf/codec/native.py codec_table): the map padded with
     its last value, the midpoints then +inf, the map then +inf; 256 entries each."""
     qmap, levels = codec.qmap, codec.qmap.numel()
     padded = torch.cat([qmap, qmap[-1].repeat(256 - levels)])
@@ -296,7 +297,7 @@ RULE_CASES = [
 def test_rules_match_reference(ext, name, make, rule):
     opt = make([torch.zeros(1)])
     group = opt.param_groups[0]
-    hyper = opt._hyper(group)
+    hyper = hyper_values(opt._hyper(group))
     keys = [s.key for s in opt._state_specs(group, torch.zeros(2))]
     for step, first in [(1, True), (2, False), (1000, False)]:
         p, grad, m, v = _rule_inputs(seed=step)

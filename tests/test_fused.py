@@ -13,14 +13,14 @@ import math
 import pytest
 import torch
 
+from qconf import _native
 from qconf.codec import MAP_NAMES, SCALE_TYPES, QTensor
 from qconf.optim import SGD, Adam, AdamW, Lion
 
 from helpers import CONFIGS, assert_rel_close
 
-ops = pytest.importorskip("qconf.ops")
-if not ops.fused_available():  # pragma: no cover - the CI build always has the extension
-    pytest.skip(f"fused kernels unavailable: {ops.native_error()}", allow_module_level=True)
+if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
+    pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
 
 SHAPES = [(1,), (127,), (4097,), (33, 130), (3, 5, 7), (2, 3, 4, 5), (64, 96), (3, 4, 32)]
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yml"))
@@ -188,11 +188,11 @@ def _first_sgd_steps(blocks, state_cfg, tail=(), isa=None, monkeypatch=None):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     # power-1 unsigned maps have midpoints (k + 1.5) / 2**bits: the kernel computes their codes
-    # arithmetically (ops.step.midpoint_grid). SGD's first step stores the gradient as the
+    # arithmetically (qconf.codec.native.midpoint_grid). SGD's first step stores the gradient as the
     # momentum buffer, and every block of 64 holds a 1.0, so the normalized values are exactly
     # the gradient: each midpoint, its float neighbours, and the awkward values.
     from qconf.codec import Codec
-    from qconf.ops.step import midpoint_grid
+    from qconf.codec.native import midpoint_grid
 
     codec = Codec(bits=bits, map="power-1", signed=False, scale="group", group_size=64)
     mids = codec.midpoints
@@ -212,7 +212,7 @@ def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
 @pytest.mark.parametrize("map,signed", [("nonlinear", True), ("nonlinear", False), ("linear", True),
                                         ("float-point", True), ("power-2", True), ("power-2", False)])
 def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, isa, monkeypatch):
-    # 8-bit maps with octave lines (ops.octave_lines) take the line estimate plus one probe in the
+    # 8-bit maps with octave lines (qconf.codec.octave_lines) take the line estimate plus one probe in the
     # kernel. SGD's first step stores the gradient as the momentum buffer with a 1.0 in every
     # block of 64, so the normalized values are exactly every point where the estimate could go
     # wrong (all in [-1, 1]), plus a block with NaN and one with inf. (Unsigned power-2 has no
@@ -220,8 +220,8 @@ def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, i
     # last whole group of Isa::lookup256n. On every ISA: AVX-512 with and without VBMI looks up
     # 4 or 2 vectors at a time; AVX2 and scalar search.
     from qconf.codec import Codec
-    from qconf.ops.octave_lines import _interval_ends
-    from qconf.ops.step import codec_table
+    from qconf.codec.native import codec_table
+    from qconf.codec.octave_lines import _interval_ends
 
     codec = Codec(bits=8, map=map, signed=signed, scale="group", group_size=64)
     row = codec_table(codec)[7]
@@ -358,7 +358,7 @@ def test_resume_between_fused_and_reference_is_bit_exact():
 
 def test_fused_op_compiles_without_graph_breaks():
     """The functional op runs under torch.compile(fullgraph=True) and matches eager."""
-    from qconf.ops.step import _GroupPlan
+    from qconf.optim.fused import GroupPlan, hyper_values
 
     shapes = [(64, 96), (300,)]
     params = _params(shapes, torch.float32)
@@ -366,9 +366,10 @@ def test_fused_op_compiles_without_graph_breaks():
     for p, g in zip(params, _grads(shapes, 0, torch.float32, False)):
         p.grad = g
     opt.step()  # creates the states
-    plan = _GroupPlan(opt, opt.param_groups[0], params, {})
+    group = opt.param_groups[0]
+    plan = GroupPlan(_native.layout()[f"rule.{opt.kernel_rule}"], opt._fused_params(group, params))
     grads = [p.grad for p in params]
-    hyper = opt._hyper(opt.param_groups[0])
+    hyper = hyper_values(opt._hyper(group))
     snapshot = [t.clone() for t in plan.params + plan.states + plan.steps]
 
     def step(grads):

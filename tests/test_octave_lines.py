@@ -1,12 +1,12 @@
-"""Octave lines (qconf/ops/octave_lines.py): the arithmetic estimate that replaces the 8-bit
+"""Octave lines (qconf/codec/octave_lines.py): the arithmetic estimate that replaces the 8-bit
 nearest-rounding search in the kernels, and the exhaustive check that decides where it applies."""
 import pytest
 import torch
 
 from qconf.codec import Codec
 from qconf.codec.qmap import MAP_NAMES
-from qconf.ops.octave_lines import FORM_SIGNED, FORM_UNSIGNED, estimate_codes, lines_exact, octave_lines
-from qconf.ops.step import codec_table
+from qconf.codec.native import codec_table
+from qconf.codec.octave_lines import FORM_SIGNED, FORM_UNSIGNED, estimate_codes, lines_exact, octave_lines
 
 # maps that are linear per octave (or per decade) get lines; unsigned power-2/3 curve too much
 WITHOUT_LINES = {("power-2", False), ("power-3", False)}
@@ -84,7 +84,7 @@ def test_fma32_rounds_once_like_the_kernels_fused_multiply_add():
 
     import numpy as np
 
-    from qconf.ops.octave_lines import fma32
+    from qconf.codec.octave_lines import fma32
 
     def exact(x, y, z):
         v = Fraction(x) * Fraction(y) + Fraction(z)

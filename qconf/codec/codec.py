@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import packing
+from . import native, packing
 from .qmap import MAP_NAMES, create_qmap
 from .scales import SCALE_TYPES, compute_scales, effective_scale, expand_reciprocals, expand_scales, num_scales
 
@@ -71,7 +71,6 @@ class Codec:
         qmap = create_qmap(self.map, self.bits, self.signed)  # raises for signed 1-bit linear
         object.__setattr__(self, "_qmap", qmap)
         object.__setattr__(self, "_midpoints", (qmap[:-1] + qmap[1:]) * 0.5)
-        object.__setattr__(self, "_device_tables", {})
 
     # -- description -------------------------------------------------------------------------
     @property
@@ -110,11 +109,8 @@ class Codec:
         return effective_scale(self.scale, tuple(shape))
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tables = self._device_tables.get(device)
-        if tables is None:
-            tables = (self._qmap.to(device), self._midpoints.to(device))
-            self._device_tables[device] = tables
-        return tables
+        """(qmap, midpoints) on ``device`` (no copy on the CPU)."""
+        return self._qmap.to(device), self._midpoints.to(device)
 
     # -- encode / decode ---------------------------------------------------------------------
     def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,32 +152,11 @@ class Codec:
         elif noise is not None and noise.numel() != x32.numel():
             raise ValueError(f"noise has {noise.numel()} values, expected one per element ({x32.numel()})")
         if _check_backend(backend) == "native" and x32.numel() > 0:
-            return self._native_encode(x32, noise)
+            codes, scales = native.encode(self, x32, noise)
+            return QTensor(codes, scales, torch.Size(x32.shape), self)
         n, scales = self.normalize(x32)
         codes = self.quantize(n, noise)
         return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
-
-    def _native_args(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
-        from ..ops import native_available, native_error
-        from ..ops.step import codec_table, scale_layout
-
-        if not native_available():
-            raise RuntimeError(f"backend='native' needs the extension qconf._C ({native_error()})")
-        if len(shape) > 8:
-            raise ValueError(f"backend='native' handles at most 8 dimensions, got {len(shape)}")
-        table = self._device_tables.get("native")
-        if table is None:
-            table = self._device_tables["native"] = codec_table(self).contiguous()
-        kind, block, d1, inner = scale_layout(self, shape)
-        return table, [self.bits, self.qmap.numel(), kind, block, d1, inner, int(self.rounding == "stochastic"),
-                       self.num_scales(shape)]
-
-    def _native_encode(self, x32: torch.Tensor, noise: torch.Tensor | None) -> "QTensor":
-        table, desc = self._native_args(tuple(x32.shape))
-        if noise is not None:
-            noise = noise.to(torch.float32).reshape(x32.shape).contiguous()
-        codes, scales = torch.ops.qconf.encode(x32.contiguous(), table, desc, noise)
-        return QTensor(codes, scales, torch.Size(x32.shape), self)
 
     def decode(self, q: "QTensor", *, backend: str = "reference") -> torch.Tensor:
         """Dequantize ``q`` (encoded by this codec) to an fp32 tensor of the original shape
@@ -192,8 +167,7 @@ class Codec:
             raise ValueError(f"QTensor was encoded with {q.codec!r} and cannot be decoded with {self!r}; "
                              "use q.decode() or the encoding codec")
         if _check_backend(backend) == "native" and q.numel() > 0:
-            table, desc = self._native_args(tuple(q.shape))
-            return torch.ops.qconf.decode(q.codes, q.scales, table, desc, list(q.shape))
+            return native.decode(self, q.codes, q.scales, tuple(q.shape))
         qmap, _ = self._tables(q.codes.device)
         numel = math.prod(q.shape)
         codes = packing.unpack(q.codes, self.bits, numel)

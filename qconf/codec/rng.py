@@ -2,7 +2,7 @@
 
 A random value is a pure function of ``(seed, step, tensor, stream, element index)``, so results do
 not depend on thread count, ISA or the order in which blocks are processed, and the reference path
-(torch ops below) and the native kernels (``csrc/include/qconf/rng.h``) produce the same bits.
+(torch ops below) and the native kernels (``csrc/include/qconf/element.h``) produce the same bits.
 
     key  = splitmix64(seed, step, tensor, stream)        -> two 32-bit keys (k0, k1), on the host
     h    = mix32(mix32(lo32(i) ^ k0) ^ (hi32(i) + k1))    per element i (uint32 arithmetic)

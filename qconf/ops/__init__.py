@@ -1,38 +1,31 @@
-"""Native (fused) kernels: the ``qconf._C`` extension and its torch.library ops.
+"""The native operators' torch.library registrations beyond what ``qconf._C`` registers itself.
 
-``native_available()`` says whether the extension imported; the package works without it on the
-reference path.
+Importing ``qconf._C`` (:mod:`qconf._native`) defines the ``torch.ops.qconf`` operators and their
+CPU (and CUDA) kernels: ``fused_step``, ``encode``, ``decode``, ``layout`` and the ``StepPlan``
+class. This module adds their fake (meta) implementations, which ``torch.compile`` needs to trace
+a step or an encode without running it. Nothing else lives here: the codecs' native form is in
+:mod:`qconf.codec.native`, the fused stepper in :mod:`qconf.optim.fused`.
 """
 from __future__ import annotations
 
-try:  # the extension is optional: absent on a pure-Python install
-    from .. import _C  # type: ignore[attr-defined]
-    _IMPORT_ERROR: str | None = None
-except ImportError as e:  # pragma: no cover - depends on the build
-    _C = None
-    _IMPORT_ERROR = str(e)
+import torch
 
+from .._native import fused_available, layout
 
-if _C is not None:
-    from .step import FusedStepper, unfusable_reason  # noqa: F401  (registers the fake impls)
+__all__: list[str] = []
 
+if fused_available():
+    @torch.library.register_fake("qconf::fused_step")
+    def _fused_step_fake(rule, params, grads, steps, states, meta, tables, hyper, seed):  # noqa: ANN001
+        return None  # updates params, steps and states in place
 
-def native_available() -> bool:
-    """True when the compiled extension ``qconf._C`` is importable."""
-    return _C is not None
+    @torch.library.register_fake("qconf::encode")
+    def _encode_fake(x, table, codec, noise):  # noqa: ANN001
+        lay = layout()
+        bits, num_scales = codec[lay["codec.bits"]], codec[lay["encode.num_scales"]]
+        return (x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8),
+                x.new_empty((num_scales,), dtype=torch.float32))
 
-
-def native_error() -> str:
-    """Why the extension is unavailable ('' when it is available)."""
-    if _C is None:
-        return _IMPORT_ERROR or "qconf._C not found"
-    if not fused_available():
-        return "this build of qconf._C has no fused optimizer kernels"
-    return ""
-
-
-def fused_available() -> bool:
-    """True when the fused optimizer-step kernels can run (extension built with them)."""
-    import torch
-
-    return _C is not None and hasattr(torch.ops.qconf, "fused_step")
+    @torch.library.register_fake("qconf::decode")
+    def _decode_fake(codes, scales, table, codec, shape):  # noqa: ANN001
+        return scales.new_empty(tuple(shape), dtype=torch.float32)

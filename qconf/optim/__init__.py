@@ -1,8 +1,13 @@
-"""Low-bit optimizers: one base (:class:`QOptimizer`) and small update rules."""
+"""Low-bit optimizers: one base (:class:`QOptimizer`) and small update rules.
+
+Modules, lowest first: ``spec`` (what a rule declares: StateSpec, Slot, Hyper), ``states`` (state
+values), ``weights`` (bf16/fp16 parameter writes), ``fused`` (the native step), ``checkpoint``,
+``base`` (QOptimizer), and the rules ``adam``, ``sgd``, ``lion``."""
 from .adam import Adam, AdamW
-from .base import QOptimizer, StateSpec
+from .base import QOptimizer
 from .checkpoint import export_torch_state_dict
 from .lion import Lion
 from .sgd import SGD
+from .spec import Hyper, Slot, StateSpec
 
-__all__ = ["AdamW", "Adam", "SGD", "Lion", "QOptimizer", "StateSpec", "export_torch_state_dict"]
+__all__ = ["AdamW", "Adam", "SGD", "Lion", "QOptimizer", "StateSpec", "Slot", "Hyper", "export_torch_state_dict"]

@@ -29,7 +29,9 @@ from typing import Any, Iterable
 import torch
 
 from ._validate import check_adam_like, ieee_sqrt, refuse_unsupported, scalar
-from .base import QOptimizer, StateSpec
+from .base import QOptimizer
+from .spec import Hyper, Slot, StateSpec
+from .states import factored_dense
 
 _TORCH_ADAM_KEYS = {"amsgrad": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None}
 
@@ -55,28 +57,22 @@ class _AdamBase(QOptimizer):
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         shape = tuple(p.shape)
-        specs = [StateSpec("exp_avg", "exp_avg", shape)]
+        specs = [StateSpec("exp_avg", "exp_avg", shape, Slot.FIRST)]
         if group["factor_second_moment"] and p.dim() >= 2:
-            specs.append(StateSpec("exp_avg_sq_row", None, shape[:-1]))
-            specs.append(StateSpec("exp_avg_sq_col", None, shape[:-2] + shape[-1:]))
+            specs.append(StateSpec("exp_avg_sq_row", None, shape[:-1], Slot.ROW))
+            specs.append(StateSpec("exp_avg_sq_col", None, shape[:-2] + shape[-1:], Slot.COL))
         else:
-            specs.append(StateSpec("exp_avg_sq", "exp_avg_sq", shape))
+            specs.append(StateSpec("exp_avg_sq", "exp_avg_sq", shape, Slot.SECOND))
         return specs
 
     def _spec_signature(self, group: dict[str, Any]) -> tuple:
         return (bool(group["factor_second_moment"]),)
 
-    def _hyper(self, group: dict[str, Any]) -> list[float]:
+    def _hyper(self, group: dict[str, Any]) -> Hyper:
         beta1, beta2 = group["betas"]
-        return [scalar(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], 0.0, 0.0,
-                float(group["maximize"]), 0.0, float(self.decoupled_weight_decay)]
-
-    @staticmethod
-    def _factored_dense(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-        """The dense second moment ``(r / mean(r))[..., None] * c[..., None, :]`` of a factored state."""
-        mean = row.mean(dim=-1, keepdim=True)
-        r = torch.where(mean > 0, row / mean, torch.zeros_like(row))
-        return r.unsqueeze(-1) * col.unsqueeze(-2)
+        return Hyper(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], maximize=group["maximize"],
+                     decoupled=self.decoupled_weight_decay)
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
                 group: dict[str, Any], new: frozenset[str]) -> None:
@@ -100,7 +96,7 @@ class _AdamBase(QOptimizer):
             row, col = states["exp_avg_sq_row"], states["exp_avg_sq_col"]
             row.mul_(beta2).add_(g2.mean(dim=-1) * (1 - beta2))
             col.mul_(beta2).add_(g2.mean(dim=-2) * (1 - beta2))
-            exp_avg_sq = self._factored_dense(row, col)
+            exp_avg_sq = factored_dense(row, col)
         t = float(step)
         inv_bias_correction2_sqrt = 1 / (1 - beta2**t) ** 0.5  # a multiply, not a divide, per element
         step_size = lr / (1 - beta1**t)
@@ -112,7 +108,7 @@ class AdamW(_AdamBase):
     """AdamW (decoupled weight decay) with quantized states; torch.optim.AdamW's arguments plus
     ``factor_second_moment``, ``qconfig``, ``fused`` and ``seed`` (see :class:`QOptimizer`)."""
 
-    rule_name = "adamw"
+    kernel_rule = "adam"
     decoupled_weight_decay = True
     torch_group_defaults = {**_TORCH_ADAM_KEYS, "decoupled_weight_decay": True}
 
@@ -120,7 +116,7 @@ class AdamW(_AdamBase):
 class Adam(_AdamBase):
     """Adam (coupled L2 weight decay, like torch.optim.Adam) with quantized states."""
 
-    rule_name = "adam"
+    kernel_rule = "adam"
     decoupled_weight_decay = False
     torch_group_defaults = {**_TORCH_ADAM_KEYS, "decoupled_weight_decay": False}
 

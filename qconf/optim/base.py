@@ -1,10 +1,14 @@
 """``QOptimizer``: the one optimizer base. It owns parameter naming, StatePlan resolution, state
-creation, (de)quantization, checkpoints and the choice between the reference and fused paths.
+creation and conversion, checkpoints, and the choice between the reference and fused paths.
 
-Subclasses are small update rules. They declare their states with :meth:`QOptimizer._state_specs`
-and implement :meth:`QOptimizer._update`, which reads and writes fp32 tensors only -- the rule never
-knows how a state is stored (seeds/002): the base decodes each quantized state to fp32 before the
-rule runs and encodes the result afterwards.
+Subclasses are small update rules (:mod:`qconf.optim.adam`, ``sgd``, ``lion``). Each declares
+its states with :meth:`QOptimizer._state_specs` (:class:`~qconf.optim.spec.StateSpec`, each in a
+kernel :class:`~qconf.optim.spec.Slot`), its kernel hyperparameters with
+:meth:`QOptimizer._hyper` (a :class:`~qconf.optim.spec.Hyper`), and implements
+:meth:`QOptimizer._update`, which reads and writes fp32 tensors only -- the rule never knows how
+a state is stored (seeds/002). The reference step decodes each quantized state to fp32 before the
+rule runs and encodes the result afterwards; the fused step (:mod:`qconf.optim.fused`) gets each
+parameter described by :meth:`QOptimizer._fused_params` and runs the rule in the native kernel.
 """
 from __future__ import annotations
 
@@ -16,34 +20,21 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from ..codec import QTensor
+from .. import _native
+from ..codec import Codec, QTensor
 from ..codec import rng
 from ..config import QConfig, StatePlan, load_config, resolve_plan
 from . import checkpoint
 from . import weights as wts
+from .fused import FusedParam, FusedStepper, unfusable_reason
+from .spec import Hyper, Slot, StateSpec
+from .states import convert_state, zero_state
+
+__all__ = ["QOptimizer"]
 
 #: rng stream per quantized state (stochastic rounding of states); params use rng.STREAM_PARAM
 _STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AVG_SQ,
                   "compensation": rng.STREAM_COMPENSATION}
-
-
-@dataclasses.dataclass(frozen=True)
-class StateSpec:
-    """One optimizer state of a parameter.
-
-    Attributes:
-        key: the key in ``optimizer.state[p]`` (torch.optim's name, e.g. ``momentum_buffer``).
-        section: the qconfig state section that decides its codec (``exp_avg``/``exp_avg_sq``),
-            ``"compensation"`` for the Kahan buffer (codec from ``weights.compensation_codec``), or
-            None for states that are never quantized (factored row/column statistics).
-        shape: the state's shape (the parameter's, except for factored statistics).
-        dtype: storage dtype when not quantized (fp32; the parameter's dtype for the Kahan buffer).
-    """
-
-    key: str
-    section: str | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype = torch.float32  # storage when not quantized
 
 
 class QOptimizer(Optimizer):
@@ -65,8 +56,8 @@ class QOptimizer(Optimizer):
             ``"none"`` for none; None (default) follows the qconfig's ``weights.compensation``.
     """
 
-    #: rule identifier passed to the native kernels (set by subclasses)
-    rule_name: str = ""
+    #: the fused kernel's update rule: ``"adam"`` (Adam and AdamW), ``"sgd"`` or ``"lion"``
+    kernel_rule: str = ""
     #: whether checkpoints must carry a step count (Adam's bias correction needs it; SGD's doesn't)
     requires_step: bool = True
     #: states torch.optim creates on first use and saves as None until then (SGD momentum_buffer)
@@ -89,12 +80,12 @@ class QOptimizer(Optimizer):
         self._seed = int(torch.initial_seed() if seed is None else seed) & rng.MASK64
         self._enable_overrides: dict[int, bool] = {}
         self._plans: dict[int, StatePlan] = {}
-        self._index_cache: tuple[int, dict[int, int]] | None = None
+        self._index_cache: tuple[int, dict[int, int], list[tuple[str, torch.Tensor, dict[str, Any]]]] | None = None
         self._layout_version = 0  # bumped whenever states are created, converted or replaced
         self._fusable_cache: dict[int, tuple[Any, bool]] = {}
         super().__init__(params, defaults)
         self._fused = fused
-        self._kernel = _choose_kernel(type(self).__name__, fused)
+        self._kernel = _choose_kernel(type(self).__name__, fused, self.kernel_rule)
 
     # -- parameters and names ---------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -116,22 +107,24 @@ class QOptimizer(Optimizer):
 
     def _param_index(self) -> dict[int, int]:
         """id(param) -> global index (the order of ``state_dict``), rebuilt when groups change."""
-        count = sum(len(g["params"]) for g in self.param_groups)
-        if self._index_cache is None or self._index_cache[0] != count:
-            index = {}
-            for g in self.param_groups:
-                for p in g["params"]:
-                    index.setdefault(id(p), len(index))
-            self._index_cache = (count, index)
-        return self._index_cache[1]
+        return self._indexed()[1]
 
     def _named_params(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
         """(name, param, group) for every parameter in state_dict order; unnamed params get ''."""
-        out = []
-        for g in self.param_groups:
-            names = g.get("param_names") or [""] * len(g["params"])
-            out.extend((n, p, g) for n, p in zip(names, g["params"]))
-        return out
+        return self._indexed()[2]
+
+    def _indexed(self) -> tuple[int, dict[int, int], list[tuple[str, torch.Tensor, dict[str, Any]]]]:
+        count = sum(len(g["params"]) for g in self.param_groups)
+        if self._index_cache is None or self._index_cache[0] != count:
+            index: dict[int, int] = {}
+            named = []
+            for g in self.param_groups:
+                names = g.get("param_names") or [""] * len(g["params"])
+                named.extend((n, p, g) for n, p in zip(names, g["params"]))
+                for p in g["params"]:
+                    index.setdefault(id(p), len(index))
+            self._index_cache = (count, index, named)
+        return self._index_cache
 
     def param_name(self, index: int) -> str:
         """The qualified name of parameter ``index`` ('' if the optimizer was given plain tensors)."""
@@ -141,7 +134,7 @@ class QOptimizer(Optimizer):
         name = self.param_name(index)
         return f"parameter {index} ({name!r})" if name else f"parameter {index}"
 
-    # -- plans --------------------------------------------------------------------------------
+    # -- plans and states ---------------------------------------------------------------------
     def plan(self, index: int) -> StatePlan:
         """The resolved :class:`StatePlan` of parameter ``index`` (cached until overrides change)."""
         plan = self._plans.get(index)
@@ -161,6 +154,13 @@ class QOptimizer(Optimizer):
             weights = dataclasses.replace(weights, compensation=self._compensation)
         return plan if weights == plan.weights else dataclasses.replace(plan, weights=weights)
 
+    def planned_states(self, index: int) -> list[tuple[StateSpec, Codec | None]]:
+        """Every state parameter ``index`` keeps under its current plan, with its codec (None:
+        stored as a ``spec.dtype`` tensor), whether or not it exists yet."""
+        _, p, group = self._named_params()[index]
+        plan = self.plan(index)
+        return _with_codecs(self._specs(group, p, plan), plan)
+
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         """The states this rule keeps for ``p`` under ``group``'s hyperparameters."""
         raise NotImplementedError
@@ -175,27 +175,20 @@ class QOptimizer(Optimizer):
         """
         raise NotImplementedError
 
+    def _hyper(self, group: dict[str, Any]) -> Hyper:
+        """``group``'s hyperparameters for the fused kernel."""
+        raise NotImplementedError
+
     def _specs(self, group: dict[str, Any], p: torch.Tensor, plan: StatePlan) -> list[StateSpec]:
         """The rule's states of ``p`` plus the Kahan buffer when its weights are compensated."""
         specs = self._state_specs(group, p)
         if p.dtype in wts.LOW_PRECISION and plan.weights.compensation == "kahan":
-            specs.append(StateSpec("kahan_comp", "compensation", tuple(p.shape), p.dtype))
+            specs.append(StateSpec("kahan_comp", "compensation", tuple(p.shape), Slot.COMPENSATION, p.dtype))
         return specs
 
     def fp32_state_count(self, group: dict[str, Any]) -> int:
         """How many fp32 param-shaped states torch.optim keeps for this rule (memory_report)."""
         return len({spec.section for spec in self._state_specs(group, _META_PARAM) if spec.section})
-
-    def _codec_for(self, plan: StatePlan, spec: StateSpec):
-        if spec.section == "compensation":
-            return plan.weights.codec()
-        return plan.codec(spec.section) if spec.section is not None else None
-
-    def _new_state_value(self, spec: StateSpec, plan: StatePlan, device: torch.device):
-        codec = self._codec_for(plan, spec)
-        if codec is None:
-            return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
-        return QTensor.zeros(spec.shape, codec, device)
 
     def _ensure_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> frozenset[str]:
         """Create missing states of ``p``; returns the keys created now."""
@@ -204,9 +197,9 @@ class QOptimizer(Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32)
         plan = self.plan(index)
         created = []
-        for spec in self._specs(group, p, plan):
+        for spec, codec in _with_codecs(self._specs(group, p, plan), plan):
             if state.get(spec.key) is None:
-                state[spec.key] = self._new_state_value(spec, plan, p.device)
+                state[spec.key] = zero_state(spec, codec, p.device)
                 created.append(spec.key)
         if created:
             self._layout_version += 1
@@ -232,16 +225,14 @@ class QOptimizer(Optimizer):
 
     def _requantize_param(self, index: int) -> None:
         """Bring the existing states of parameter ``index`` in line with its current plan."""
-        _, p, group = self._named_params()[index]
+        _, p, _ = self._named_params()[index]
         state = self.state.get(p)
         if not state:
             return
-        plan = self.plan(index)
-        for spec in self._specs(group, p, plan):
+        for spec, codec in self.planned_states(index):
             value = state.get(spec.key)
-            if value is None:
-                continue
-            state[spec.key] = _convert(value, self._codec_for(plan, spec), spec.dtype)
+            if value is not None:
+                state[spec.key] = convert_state(value, codec, spec.dtype)
         self._layout_version += 1
 
     # -- step ------------------------------------------------------------------------------------
@@ -255,7 +246,7 @@ class QOptimizer(Optimizer):
         index = self._param_index()
         for group in self.param_groups:
             if self._kernel is not None and self._fusable(group):
-                self._kernel.step_group(self, group)
+                self._fused_step(group)
                 continue
             for p in group["params"]:
                 if p.grad is None:
@@ -274,8 +265,6 @@ class QOptimizer(Optimizer):
         key = (self._layout_version, len(group["params"]))
         cached = self._fusable_cache.get(id(group))
         if cached is None or cached[0] != key:
-            from ..ops import unfusable_reason
-
             index = self._param_index()
             problems = [f"{self._describe(index[id(p)])} has {r}" for p in group["params"]
                         if (r := unfusable_reason(p) or self._cuda_unfused(p, index[id(p)])) is not None]
@@ -301,10 +290,40 @@ class QOptimizer(Optimizer):
         """The group hyperparameters that decide which states exist (cached plans depend on it)."""
         return ()
 
-    def _hyper(self, group: dict[str, Any]) -> list[float]:
-        """The kernel's hyperparameters: lr, beta1, beta2, eps, weight_decay, momentum, dampening,
-        maximize, nesterov, decoupled (see csrc/include/qconf/step_driver.h)."""
-        raise NotImplementedError
+    def _fused_step(self, group: dict[str, Any]) -> None:
+        """One fused kernel call for the parameters of ``group`` that have gradients."""
+        params = group["params"]
+        grads = [p.grad for p in params]
+        have = None
+        if any(g is None for g in grads):
+            have = tuple(g is not None for g in grads)
+            params = [p for p in params if p.grad is not None]
+            grads = [g for g in grads if g is not None]
+            if not params:
+                return
+        signature = self._spec_signature(group)
+        self._kernel.step(id(group), lambda: (self._layout_version, have, signature),
+                          lambda: self._fused_params(group, params), grads, self._hyper(group), self._seed)
+
+    def _fused_params(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[FusedParam]:
+        """Check ``params``, create their missing states, and describe them for the kernel."""
+        index = self._param_index()
+        new = {}
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            reason = unfusable_reason(p)
+            if reason is not None:
+                raise RuntimeError(f"{type(self).__name__}(fused=True): {self._describe(index[id(p)])} has {reason}")
+            new[index[id(p)]] = self._ensure_state(p, index[id(p)], group)
+        out = []
+        for p in params:
+            i = index[id(p)]
+            state, plan = self.state[p], self.plan(i)
+            out.append(FusedParam(i, p, state["step"], {s.slot: state[s.key] for s in self._specs(group, p, plan)},
+                                  stochastic_weights=plan.weights.rounding == "stochastic",
+                                  first=any(k in new[i] for k in self.lazy_states)))
+        return out
 
     def _reference_step(self, p: torch.Tensor, index: int, group: dict[str, Any], new: frozenset[str]) -> None:
         state = self.state[p]
@@ -340,7 +359,7 @@ class QOptimizer(Optimizer):
         comp32 = comp.decode() if isinstance(comp, QTensor) else comp.float()
         new_p, new_comp = wts.kahan_update(p_old, p32, comp32, p.dtype, stochastic, bits)
         if isinstance(comp, QTensor):
-            spec = StateSpec("kahan_comp", "compensation", tuple(p.shape), p.dtype)
+            spec = StateSpec("kahan_comp", "compensation", tuple(p.shape), Slot.COMPENSATION, p.dtype)
             state["kahan_comp"] = comp.codec.encode(new_comp, noise=self._noise(comp.codec, step, index, spec, p.device))
         else:
             comp.copy_(wts.round_param(new_comp, comp.dtype, False, None))
@@ -382,7 +401,7 @@ class QOptimizer(Optimizer):
         Everything is validated before anything changes: on error a ``ValueError`` names the
         parameter and key, and the optimizer is left exactly as it was.
         """
-        loaded = checkpoint.parse(self, state_dict)
+        loaded = checkpoint.parse(state_dict, self._checkpoint_target())
         self._layout_version += 1
         self._enable_overrides = loaded.enable_overrides
         self._seed = loaded.seed
@@ -394,35 +413,50 @@ class QOptimizer(Optimizer):
         for index, entry in loaded.states.items():
             self.state[params[index]] = entry
 
+    def _checkpoint_target(self) -> checkpoint.Target:
+        """What :func:`checkpoint.parse` needs to know about this optimizer."""
+        named = self._named_params()
+
+        def planned(index: int, group: dict[str, Any], force_enable: bool | None
+                    ) -> list[tuple[StateSpec, Codec | None]]:
+            name, p, _ = named[index]
+            plan = self._resolve_plan(name, p, force_enable)
+            return _with_codecs(self._specs(group, p, plan), plan)
+
+        return checkpoint.Target(
+            optimizer=type(self).__name__, defaults=self.defaults, param_groups=self.param_groups,
+            names=[n for n, _, _ in named], params=[p for _, p, _ in named], seed=self._seed,
+            enable_overrides=self._enable_overrides, requires_step=self.requires_step,
+            lazy_states=self.lazy_states, planned_states=planned)
+
 
 _META_PARAM = torch.empty(2, device="meta")  # 1-D stand-in: no factoring, one spec per torch.optim state
 
 
-def _convert(value: Any, codec, dtype: torch.dtype = torch.float32) -> Any:
-    """Re-express one state value (tensor or QTensor) under ``codec`` (None = a ``dtype`` tensor)."""
-    if isinstance(value, QTensor):
-        if value.codec == codec:
-            return value
-        value = value.decode()
-    if codec is None:
-        return value.to(dtype)
-    return codec.encode(value)
+def _with_codecs(specs: list[StateSpec], plan: StatePlan) -> list[tuple[StateSpec, Codec | None]]:
+    """Each spec with its codec under ``plan`` (None: never quantized, or disabled)."""
+    out = []
+    for spec in specs:
+        if spec.section == "compensation":
+            codec = plan.weights.codec()
+        else:
+            codec = plan.codec(spec.section) if spec.section is not None else None
+        out.append((spec, codec))
+    return out
 
 
-def _choose_kernel(opt_name: str, fused: bool | None):
+def _choose_kernel(opt_name: str, fused: bool | None, rule: str) -> FusedStepper | None:
     """Native kernel driver or None (reference path), following the ``fused`` argument."""
     if fused is not None and not isinstance(fused, bool):
         raise ValueError(f"fused must be None, True or False, got {fused!r}")
     if fused is False:
         return None
-    from .. import ops
-
-    if ops.fused_available():
-        return ops.FusedStepper()
+    if _native.fused_available():
+        return FusedStepper(rule)
     if fused:
         raise RuntimeError(f"{opt_name}(fused=True) needs the native extension qconf._C, which is not built "
-                           f"({ops.native_error()}); reinstall with `pip install --no-build-isolation .` "
+                           f"({_native.native_error()}); reinstall with `pip install --no-build-isolation .` "
                            "or pass fused=None/False for the reference path")
-    warnings.warn(f"{opt_name}: native extension qconf._C is unavailable ({ops.native_error()}); "
+    warnings.warn(f"{opt_name}: native extension qconf._C is unavailable ({_native.native_error()}); "
                   "using the (slower) reference path", stacklevel=3)
     return None

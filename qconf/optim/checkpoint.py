@@ -2,7 +2,8 @@
 
 ``parse`` turns a state dict -- qconf's own (any qconfig) or torch.optim's AdamW/Adam/SGD -- into
 fully built new optimizer state *without touching the optimizer*, so a bad checkpoint raises
-before anything changes. ``export_torch_state_dict`` goes the other way.
+before anything changes. The optimizer describes itself to it as a :class:`Target`.
+``export_torch_state_dict`` goes the other way.
 """
 from __future__ import annotations
 
@@ -10,17 +11,45 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..codec import Codec, QTensor
+from .spec import StateSpec
+from .states import convert_state, factored_dense
 
-if TYPE_CHECKING:
-    from .base import QOptimizer
+__all__ = ["FORMAT_VERSION", "Target", "Loaded", "parse", "export_torch_state_dict"]
 
 FORMAT_VERSION = 1
-_GROUP_KEYS_NOT_HYPER = ("params", "param_names")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The optimizer a checkpoint is loaded into, as :func:`parse` needs it.
+
+    Attributes:
+        optimizer: its class name (a qconf checkpoint names the class that wrote it).
+        defaults: its hyperparameter defaults (which group keys are hyperparameters, and their types).
+        param_groups: its current param groups.
+        names, params: every parameter's qualified name ('' if unnamed) and tensor, in state_dict order.
+        seed, enable_overrides: its current RNG seed and ``override_quantize_enable`` calls.
+        requires_step: whether a state must carry a step count.
+        lazy_states: states torch.optim saves as None before their first use.
+        planned_states: ``(index, group, force_enable) -> [(spec, codec)]``: the states parameter
+            ``index`` keeps under ``group``'s hyperparameters and an enable override, with codecs.
+    """
+
+    optimizer: str
+    defaults: Mapping[str, Any]
+    param_groups: Sequence[Mapping[str, Any]]
+    names: Sequence[str]
+    params: Sequence[torch.Tensor]
+    seed: int
+    enable_overrides: Mapping[int, bool]
+    requires_step: bool
+    lazy_states: tuple[str, ...]
+    planned_states: Callable[[int, dict[str, Any], bool | None], list[tuple[StateSpec, Codec | None]]]
 
 
 @dataclasses.dataclass
@@ -41,15 +70,15 @@ def _fail(msg: str) -> None:
     raise _Fail(f"load_state_dict: {msg}; the optimizer was left unchanged")
 
 
-def parse(opt: "QOptimizer", sd: Any) -> Loaded:
-    """Validate ``sd`` against ``opt`` and build the new state (see module docstring)."""
+def parse(sd: Any, opt: Target) -> Loaded:
+    """Validate ``sd`` against the optimizer ``opt`` and build the new state (see module docstring)."""
     try:
         return _parse(opt, sd)
     except _Fail as e:
         raise ValueError(str(e)) from None
 
 
-def _parse(opt: "QOptimizer", sd: Any) -> Loaded:
+def _parse(opt: Target, sd: Any) -> Loaded:
     if not isinstance(sd, Mapping):
         _fail(f"expected a dict, got {type(sd).__name__}")
     for key in ("state", "param_groups"):
@@ -75,11 +104,10 @@ def _parse(opt: "QOptimizer", sd: Any) -> Loaded:
     if qsec is not None:
         seed, saved_overrides = _parse_qconf_section(opt, qsec)
     else:  # a torch.optim state dict
-        seed, saved_overrides = opt._seed, {}
-    overrides = {**saved_overrides, **opt._enable_overrides}  # explicit calls on this optimizer win
+        seed, saved_overrides = opt.seed, {}
+    overrides = {**saved_overrides, **opt.enable_overrides}  # explicit calls on this optimizer win
 
     group_hyper = [_parse_hyper(opt, gi, sg) for gi, sg in enumerate(saved_groups)]
-    named = opt._named_params()
     group_of_index = []
     for gi, g in enumerate(opt.param_groups):
         merged = {**g, **group_hyper[gi]}
@@ -93,25 +121,25 @@ def _parse(opt: "QOptimizer", sd: Any) -> Loaded:
         if saved_id not in saved_to_index:
             _fail(f"state entry {saved_id!r} does not belong to any param group")
         index = saved_to_index[saved_id]
-        name, p, _ = named[index]
+        name = opt.names[index]
         where = f"parameter {index} ({name!r})" if name else f"parameter {index}"
         if not isinstance(entry, Mapping):
             _fail(f"{where}: state must be a dict, got {type(entry).__name__}")
-        plan = opt._resolve_plan(name, p, overrides.get(index))
-        states[index] = _parse_entry(opt, where, p, entry, plan, group_of_index[index], torch_format=qsec is None)
+        planned = opt.planned_states(index, group_of_index[index], overrides.get(index))
+        states[index] = _parse_entry(opt, where, opt.params[index], entry, planned, torch_format=qsec is None)
     return Loaded(states, group_hyper, overrides, seed)
 
 
-def _parse_qconf_section(opt: "QOptimizer", qsec: Any) -> tuple[int, dict[int, bool]]:
+def _parse_qconf_section(opt: Target, qsec: Any) -> tuple[int, dict[int, bool]]:
     if not isinstance(qsec, Mapping):
         _fail("'qconf' section must be a dict")
     version = qsec.get("format_version")
     if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         _fail(f"unsupported qconf checkpoint format_version {version!r} (this qconf reads 1..{FORMAT_VERSION})")
     saved_opt = qsec.get("optimizer")
-    if saved_opt is not None and saved_opt != type(opt).__name__:
-        _fail(f"checkpoint was written by {saved_opt}, not {type(opt).__name__}")
-    seed = qsec.get("seed", opt._seed)
+    if saved_opt is not None and saved_opt != opt.optimizer:
+        _fail(f"checkpoint was written by {saved_opt}, not {opt.optimizer}")
+    seed = qsec.get("seed", opt.seed)
     if isinstance(seed, bool) or not isinstance(seed, int):
         _fail(f"'qconf.seed' must be an int, got {seed!r}")
     raw = qsec.get("enable_overrides", {})
@@ -124,7 +152,7 @@ def _parse_qconf_section(opt: "QOptimizer", qsec: Any) -> tuple[int, dict[int, b
     return seed, dict(raw)
 
 
-def _parse_hyper(opt: "QOptimizer", gi: int, saved_group: Mapping[str, Any]) -> dict[str, Any]:
+def _parse_hyper(opt: Target, gi: int, saved_group: Mapping[str, Any]) -> dict[str, Any]:
     """Hyperparameters this optimizer knows, taken from a saved group (others are ignored)."""
     hyper = {}
     for key, default in opt.defaults.items():
@@ -170,10 +198,8 @@ def _as_qtensor(where: str, key: str, value: Mapping[str, Any], shape: tuple[int
     return QTensor(q.codes.to(device, copy=True), q.scales.to(device, copy=True), q.shape, q.codec)
 
 
-def _parse_entry(opt: "QOptimizer", where: str, p: torch.Tensor, entry: Mapping[str, Any], plan,
-                 group: dict[str, Any], torch_format: bool) -> dict[str, Any]:
-    from .base import _convert
-
+def _parse_entry(opt: Target, where: str, p: torch.Tensor, entry: Mapping[str, Any],
+                 planned: list[tuple[StateSpec, Codec | None]], torch_format: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     step = entry.get("step")
     if step is None:
@@ -188,14 +214,13 @@ def _parse_entry(opt: "QOptimizer", where: str, p: torch.Tensor, entry: Mapping[
         _fail(f"{where}: key 'step' must be a non-negative whole number, got {step!r}")
     out["step"] = torch.tensor(float(step), dtype=torch.float32)
 
-    specs = opt._specs(group, p, plan)
-    known = {s.key for s in specs} | {"step"}
+    known = {s.key for s, _ in planned} | {"step"}
     for key, value in entry.items():
         if key not in known and value is not None:
             hint = " (amsgrad is not supported)" if key == "max_exp_avg_sq" else ""
-            _fail(f"{where}: unexpected state key {key!r}{hint}; this {type(opt).__name__} keeps "
+            _fail(f"{where}: unexpected state key {key!r}{hint}; this {opt.optimizer} keeps "
                   f"{sorted(known)}")
-    for spec in specs:
+    for spec, codec in planned:
         if spec.key not in entry:
             _fail(f"{where}: missing key {spec.key!r}")
         value = entry[spec.key]
@@ -207,18 +232,19 @@ def _parse_entry(opt: "QOptimizer", where: str, p: torch.Tensor, entry: Mapping[
             value = _as_qtensor(where, spec.key, value, spec.shape, p.device)
         else:
             value = _as_tensor_state(where, spec.key, value, spec.shape, p.device)
-        out[spec.key] = _convert(value, opt._codec_for(plan, spec), spec.dtype)
+        out[spec.key] = convert_state(value, codec, spec.dtype)
     return out
 
 
-def export_torch_state_dict(opt: "QOptimizer") -> dict[str, Any]:
-    """A state dict that ``torch.optim.AdamW``/``Adam``/``SGD`` (same param groups) can load.
+def export_torch_state_dict(opt: Any) -> dict[str, Any]:
+    """A state dict that ``torch.optim.AdamW``/``Adam``/``SGD`` (same param groups) can load,
+    from a qconf optimizer ``opt``.
 
     Quantized states are decoded to the parameter's dtype (as torch.optim keeps them). A factored
     second moment is expanded to the dense ``exp_avg_sq`` it stands for (with a warning).
     """
     sd = opt.state_dict()
-    params = [p for _, p, _ in opt._named_params()]
+    params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
     for index, entry in sd["state"].items():
         p = params[index]
@@ -236,10 +262,9 @@ def export_torch_state_dict(opt: "QOptimizer") -> dict[str, Any]:
         if "exp_avg_sq_row" in entry:
             warnings.warn(f"export_torch_state_dict: parameter {index} has a factored second moment; exported "
                           "as the dense exp_avg_sq it approximates", stacklevel=2)
-            out["exp_avg_sq"] = opt._factored_dense(entry["exp_avg_sq_row"], entry["exp_avg_sq_col"]).to(p.dtype)
-        if opt.lazy_states:
-            for key in opt.lazy_states:
-                out.setdefault(key, None)
+            out["exp_avg_sq"] = factored_dense(entry["exp_avg_sq_row"], entry["exp_avg_sq_col"]).to(p.dtype)
+        for key in opt.lazy_states:
+            out.setdefault(key, None)
         state[index] = out
     groups = []
     for g in sd["param_groups"]:
@@ -247,4 +272,3 @@ def export_torch_state_dict(opt: "QOptimizer") -> dict[str, Any]:
         g.update(opt.torch_group_defaults)
         groups.append(g)
     return {"state": state, "param_groups": groups}
-

@@ -16,13 +16,14 @@ from typing import Any, Iterable
 import torch
 
 from ._validate import check_adam_like, scalar
-from .base import QOptimizer, StateSpec
+from .base import QOptimizer
+from .spec import Hyper, Slot, StateSpec
 
 
 class Lion(QOptimizer):
     """Lion with a quantized momentum. Defaults follow the paper: lr=1e-4, betas=(0.9, 0.99)."""
 
-    rule_name = "lion"
+    kernel_rule = "lion"
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, qconfig: Any = None,
@@ -34,12 +35,12 @@ class Lion(QOptimizer):
                          bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
-        return [StateSpec("exp_avg", "exp_avg", tuple(p.shape))]
+        return [StateSpec("exp_avg", "exp_avg", tuple(p.shape), Slot.FIRST)]
 
-    def _hyper(self, group: dict[str, Any]) -> list[float]:
+    def _hyper(self, group: dict[str, Any]) -> Hyper:
         beta1, beta2 = group["betas"]
-        return [scalar(group["lr"]), beta1, beta2, 0.0, group["weight_decay"], 0.0, 0.0,
-                float(group["maximize"]), 0.0, 1.0]
+        return Hyper(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                     maximize=group["maximize"], decoupled=True)
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
                 group: dict[str, Any], new: frozenset[str]) -> None:

@@ -18,14 +18,15 @@ from typing import Any, Iterable
 import torch
 
 from ._validate import check_lr, refuse_unsupported, scalar
-from .base import QOptimizer, StateSpec
+from .base import QOptimizer
+from .spec import Hyper, Slot, StateSpec
 
 
 class SGD(QOptimizer):
     """SGD with a quantized momentum buffer; torch.optim.SGD's arguments plus ``qconfig``,
     ``fused`` and ``seed``."""
 
-    rule_name = "sgd"
+    kernel_rule = "sgd"
     requires_step = False
     lazy_states = ("momentum_buffer",)
     torch_group_defaults = {"foreach": None, "differentiable": False, "fused": None}
@@ -52,14 +53,14 @@ class SGD(QOptimizer):
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         if group["momentum"] == 0:
             return []
-        return [StateSpec("momentum_buffer", "exp_avg", tuple(p.shape))]
+        return [StateSpec("momentum_buffer", "exp_avg", tuple(p.shape), Slot.FIRST)]
 
     def _spec_signature(self, group: dict[str, Any]) -> tuple:
         return (group["momentum"] != 0,)
 
-    def _hyper(self, group: dict[str, Any]) -> list[float]:
-        return [scalar(group["lr"]), 0.0, 0.0, 0.0, group["weight_decay"], group["momentum"], group["dampening"],
-                float(group["maximize"]), float(group["nesterov"]), 0.0]
+    def _hyper(self, group: dict[str, Any]) -> Hyper:
+        return Hyper(lr=scalar(group["lr"]), weight_decay=group["weight_decay"], momentum=group["momentum"],
+                     dampening=group["dampening"], maximize=group["maximize"], nesterov=group["nesterov"])
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, states: dict[str, torch.Tensor], step: int,
                 group: dict[str, Any], new: frozenset[str]) -> None:

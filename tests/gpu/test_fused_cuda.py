@@ -21,6 +21,7 @@ import torch
 
 from qconf.codec import QTensor
 from qconf.optim import SGD, Adam, AdamW, Lion
+from qconf.optim.fused import hyper_values
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
@@ -81,18 +82,18 @@ def _grads(step, dtype, shapes=SHAPES):
 
 @pytest.fixture
 def allow_cuda_fusion(monkeypatch):
-    """Let the fused path take CUDA parameters even if qconf.ops still lists only CPU kernels."""
-    import qconf.ops
-    import qconf.ops.step
+    """Let the fused path take CUDA parameters even if the build lists only CPU kernels."""
+    import qconf.optim.base
+    import qconf.optim.fused
 
-    original = qconf.ops.step.unfusable_reason
+    original = qconf.optim.fused.unfusable_reason
 
     def reason(p):
         r = original(p)
         return None if r is not None and r.startswith("device") and p.is_cuda else r
 
-    monkeypatch.setattr(qconf.ops.step, "unfusable_reason", reason)
-    monkeypatch.setattr(qconf.ops, "unfusable_reason", reason)
+    monkeypatch.setattr(qconf.optim.fused, "unfusable_reason", reason)
+    monkeypatch.setattr(qconf.optim.base, "unfusable_reason", reason)
 
 
 def run(opt_name, config, dtype, device, fused, steps=STEPS, shapes=SHAPES):
@@ -238,7 +239,7 @@ def test_functional_op_dispatches_to_cuda(dtype, allow_cuda_fusion, monkeypatch)
         p.grad = gr
     eager_opt.step()
     torch.ops.qconf.fused_step(plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta,
-                               plan.tables.to("cuda"), op_opt._hyper(group), op_opt._seed)
+                               plan.tables.to("cuda"), hyper_values(op_opt._hyper(group)), op_opt._seed)
     assert_identical(op_params, op_opt, eager_params, eager_opt)
 
 
@@ -259,11 +260,11 @@ def test_arguments_on_the_wrong_device_are_rejected(allow_cuda_fusion):
     grads = [p.grad.cpu() for p in params]
     with pytest.raises(RuntimeError, match="not on the cuda"):
         torch.ops.qconf.fused_step(plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta, plan.tables,
-                                   opt._hyper(group), opt._seed)
+                                   hyper_values(opt._hyper(group)), opt._seed)
     cpu_states = [s.cpu() for s in plan.states]
     with pytest.raises(RuntimeError, match="state of parameter"):
         torch.ops.qconf.fused_step(plan.rule, plan.params, [p.grad for p in params], plan.steps, cpu_states,
-                                   plan.meta, plan.tables, opt._hyper(group), opt._seed)
+                                   plan.meta, plan.tables, hyper_values(opt._hyper(group)), opt._seed)
 
 
 def test_deepcopy_of_cuda_optimizer_steps_identically(allow_cuda_fusion):

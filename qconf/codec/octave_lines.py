@@ -26,7 +26,7 @@ Unsigned maps (all midpoints positive) take ``a = max(n, 2**-31)`` (NaN and nega
 code 0) and no mirror; signed maps ``a = |n|`` with octave ``max(exponent, 96)``. ``a`` is capped
 below 2 so the octave index stays in range. The octave is the biased exponent of ``a`` mod 32.
 
-Row layout (row 7 of ``ops.step.codec_table``, float32[256]): ``[0:32]`` S1, ``[32:64]`` A1,
+Row layout (row 7 of :func:`qconf.codec.native.codec_table`, float32[256]): ``[0:32]`` S1, ``[32:64]`` A1,
 ``[64:96]`` S2, ``[96:128]`` A2, ``[160]`` K, ``[161]`` the form: 0 none (binary search),
 1 unsigned, 2 signed.
 """

@@ -1,0 +1,78 @@
+"""The native-extension probe: the lowest layer of qconf.
+
+Imports the compiled extension ``qconf._C`` if it was built (its import registers the
+``torch.ops.qconf.*`` operators with torch.library) and says what it offers. Everything else
+reaches the extension through here; the package works without it on the reference path.
+
+``layout()`` is the one description of the kernels' argument layout (columns of the ``meta``
+table, positions of the ``hyper`` values and state tensors, codec fields, enum values). It is
+defined in C++ (``csrc/include/qconf/layout.h``) and read from the extension, so Python never
+spells a column number of its own.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Mapping
+
+import torch
+
+try:  # the extension is optional: absent on a pure-Python install
+    from . import _C  # type: ignore[attr-defined]  # noqa: F401
+    _IMPORT_ERROR: str | None = None
+except ImportError as e:  # pragma: no cover - depends on the build
+    _C = None
+    _IMPORT_ERROR = str(e)
+
+__all__ = ["native_available", "native_error", "fused_available", "has_cuda_kernels", "layout"]
+
+
+def native_available() -> bool:
+    """True when the compiled extension ``qconf._C`` is importable."""
+    return _C is not None
+
+
+def fused_available() -> bool:
+    """True when the fused optimizer-step kernels can run (extension built with them)."""
+    return _C is not None and hasattr(torch.ops.qconf, "fused_step")
+
+
+def native_error() -> str:
+    """Why the extension (or its fused kernels) is unavailable; ``''`` when it is available."""
+    if _C is None:
+        return _IMPORT_ERROR or "qconf._C not found"
+    if not fused_available():
+        return "this build of qconf._C has no fused optimizer kernels"
+    return ""
+
+
+def has_cuda_kernels() -> bool:
+    """True when this build registered CUDA implementations of the fused step."""
+    return _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("qconf::fused_step", "CUDA")
+
+
+@functools.cache
+def layout() -> Mapping[str, int]:
+    """The kernels' argument layout, e.g. ``layout()["meta.index"]`` (read-only; see
+    ``csrc/include/qconf/layout.h`` for every key). Raises RuntimeError without the extension."""
+    if _C is None:
+        raise RuntimeError(f"the native layout needs the extension qconf._C ({native_error()})")
+    if not hasattr(torch.ops.qconf, "layout"):  # TEMP-LAYOUT-SHIM: remove once the kernels branch lands
+        return types.MappingProxyType(_TEMP_LAYOUT)
+    return types.MappingProxyType(dict(torch.ops.qconf.layout()))
+
+
+_TEMP_LAYOUT = {  # TEMP-LAYOUT-SHIM
+    **{f"hyper.{n}": i for i, n in enumerate("lr beta1 beta2 eps weight_decay momentum dampening maximize nesterov "
+                                               "decoupled len".split())},
+    "meta.index": 0, "meta.first": 1, "meta.factored": 2, "meta.ndim": 3, "meta.shape": 4, "meta.state0": 12,
+    "meta.state1": 21, "meta.weights": 30, "meta.comp": 31, "meta.cols": 40,
+    "state.kind": 0, "state.table": 1, "state.codec": 2, "state.cols": 9,
+    **{f"codec.{n}": i for i, n in enumerate("bits levels scale_kind block d1 inner stochastic len".split())},
+    "encode.num_scales": 7, "encode.len": 8,
+    **{f"slot.{n}": i for i, n in enumerate("state0 state0_scales state1 state1_scales row col comp comp_scales "
+                                              "len".split())},
+    "kind.none": 0, "kind.fp32": 1, "kind.quant": 2, "kind.param_dtype": 3,
+    "scale.block": 0, "scale.dim1": 1, "scale.rank1": 2, "rule.adam": 0, "rule.sgd": 1, "rule.lion": 2,
+    "weights.stochastic": 1, "weights.kahan": 2, "table.rows": 12, "table.size": 256, "max_dims": 8,
+}
