@@ -203,6 +203,8 @@ def _corrupt(fn):
     (_corrupt(lambda sd: sd["param_groups"][0].__setitem__("betas", 0.9)), "'betas' is 0.9"),
     (_corrupt(lambda sd: sd["qconf"].__setitem__("format_version", 99)), "unsupported qconf checkpoint format_version 99"),
     (_corrupt(lambda sd: sd["qconf"].__setitem__("optimizer", "SGD")), "checkpoint was written by SGD, not AdamW"),
+    (_corrupt(lambda sd: sd["qconf"]["qconfig"].__setitem__("version", 2)),
+     "'qconf.qconfig' is not a qconfig this qconf reads: <dict>: version: 2 is not supported (allowed: 1)"),
     (_corrupt(lambda sd: sd["qconf"].__setitem__("enable_overrides", {42: True})), "names parameter 42"),
     (_corrupt(lambda sd: sd["state"].__setitem__(17, {"step": torch.tensor(1.0)})),
      "state entry 17 does not belong to any param group"),

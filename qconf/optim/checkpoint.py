@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..codec import Codec, QTensor
+from ..config import load_config
+from ..errors import QConfigError
 from .spec import StateSpec
 from .states import convert_state, factored_dense
 
@@ -139,6 +141,11 @@ def _parse_qconf_section(opt: Target, qsec: Any) -> tuple[int, dict[int, bool]]:
     saved_opt = qsec.get("optimizer")
     if saved_opt is not None and saved_opt != opt.optimizer:
         _fail(f"checkpoint was written by {saved_opt}, not {opt.optimizer}")
+    if qsec.get("qconfig") is not None:  # read it (its schema version too): a reader for it must exist
+        try:
+            load_config(qsec["qconfig"])
+        except QConfigError as e:
+            _fail("'qconf.qconfig' is not a qconfig this qconf reads: " + "; ".join(str(p) for p in e.problems))
     seed = qsec.get("seed", opt.seed)
     if isinstance(seed, bool) or not isinstance(seed, int):
         _fail(f"'qconf.seed' must be an int, got {seed!r}")
