@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from .. import ops  # noqa: F401  (loads qconf._C, which registers torch.ops.qconf: cpu_isa below)
 from .roster import BASELINE, Contender, matches
 from .rss import measure_rss
 from .tensors import copy_for, make_base, state_bytes_per_param
@@ -230,8 +231,6 @@ def machine_info(threads: int) -> dict[str, Any]:
     except OSError:
         pass
     try:
-        import qconf.ops  # noqa: F401  (registers torch.ops.qconf)
-
         isa = str(torch.ops.qconf.cpu_isa())
     except Exception as e:
         isa = f"unavailable ({one_line(e)})"
