@@ -24,8 +24,8 @@ Modules, each importing only those listed before it:
     tables    the printed report (header, size tables, per-tensor overhead, footer)
     cli       options, run(), execute(), main()
 """
-from .cli import add_arguments, canonical_command, execute, main, run
-from .measure import SIZE_GROUPS, SIZES
+from .cli import add_arguments, execute, main, run
+from .measure import SIZE_GROUPS, SIZES  # SIZE_GROUPS, format_many_vs_one: read by tests/test_bench.py
 from .roster import Contender, contenders
 from .tables import format_many_vs_one, format_report
 
