@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .compare import StudyResult
+from .results import StudyResult
 
 PLOTS = ("curves.png", "summary.png", "qerror.png")
 
@@ -60,7 +60,7 @@ def load_results(path: str | Path) -> StudyResult:
     import dataclasses
 
     from ..config import load_config
-    from .compare import ConfigEntry
+    from .results import ConfigEntry
     from .runner import RunResult
     from .task import Task
 
