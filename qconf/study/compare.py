@@ -7,6 +7,7 @@ stopped with Ctrl-C still compares every config on the seeds it finished.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import math
@@ -89,6 +90,7 @@ def _seeds(seeds: int | Sequence[int]) -> list[int]:
 
 
 def default_out_dir() -> Path:
+    """``qconf-results/<local date-time>``: where a study writes when no ``out`` is given."""
     return Path("qconf-results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
@@ -122,16 +124,75 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
     marked, outputs are written and ``result.interrupted`` is True (no exception).
     Raises :class:`StudyError` / :class:`~qconf.QConfigError` before training on bad arguments.
     """
-    # -- validate everything before the first step -----------------------------------------------
-    entries = load_configs(configs)
-    if optimizer not in OPTIMIZERS:
-        raise StudyError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
+    a = _check_arguments(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused, out=out,
+                         eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs)
+    settings = _settings(a)
+    settings["command"] = _equivalent_command(a.entries, task, settings, a.out_dir, measure_error)
+    result = StudyResult(a.task, a.entries, settings, started=_now())
+    if announce:
+        _announce(a, settings)
+    _run_all(result, a, measure_error, progress)
+    result.finished = _now()
+    if a.out_dir is not None:
+        write_outputs(result, a.out_dir)
+        result.out = a.out_dir
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arguments:
+    """:func:`compare`'s arguments after validation, defaults filled in (what every run uses)."""
+
+    entries: list[ConfigEntry]
+    task: Task
+    optimizer: str
+    steps: int
+    seeds: list[int]
+    lr: float
+    fused: bool | None
+    eval_every: int
+    threads: int | None
+    kwargs: dict[str, Any]
+    out_dir: Path | None
+
+
+def _fused_flag(fused: str | bool | None) -> bool | None:
+    """``"auto"``/``"on"``/``"off"`` or None/True/False -> None/True/False; StudyError otherwise."""
     if isinstance(fused, str):
         if fused not in FUSED_CHOICES:
             raise StudyError(f"fused must be one of {', '.join(FUSED_CHOICES)}, got {fused!r}")
         fused = FUSED_CHOICES[fused]
     if fused not in (None, True, False):
         raise StudyError(f"fused must be 'auto', 'on', 'off', None, True or False, got {fused!r}")
+    return fused
+
+
+def _check_optimizer(optimizer: str, kwargs: dict[str, Any], lr: float, fused: bool | None,
+                     entries: list[ConfigEntry]) -> None:
+    """StudyError for an argument ``optimizer`` does not take, or one it rejects (built once on a probe
+    parameter, so that fused=True without the extension also fails here, not mid-study)."""
+    accepted = [n for n, a in inspect.signature(OPTIMIZERS[optimizer]).parameters.items()
+                if n not in ("self", "params", "lr", "qconfig", "fused") and a.kind is not a.VAR_KEYWORD]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise StudyError(f"{optimizer} has no argument {unknown[0]!r} (accepted: {', '.join(accepted)})")
+    try:
+        make_optimizer(optimizer, [("probe", torch.nn.Parameter(torch.zeros(2)))], lr=lr,
+                       qconfig=entries[0].config, fused=fused, kwargs=kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise StudyError(f"{optimizer} optimizer: {' '.join(str(e).split())}") from None
+
+
+def _check_arguments(configs: Sequence[Any] | Mapping[str, Any], task: str | Task, *, optimizer: str,
+                     steps: int | None, seeds: int | Sequence[int], lr: float | None, fused: str | bool | None,
+                     out: str | os.PathLike | None | bool, eval_every: int | None, threads: int | None,
+                     optimizer_kwargs: Mapping[str, Any] | None) -> _Arguments:
+    """Validate everything before the first step (the first problem raises StudyError or
+    QConfigError) and fill in the task's defaults."""
+    entries = load_configs(configs)
+    if optimizer not in OPTIMIZERS:
+        raise StudyError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
+    fused = _fused_flag(fused)
     seed_list = _seeds(seeds)
     if threads is not None:
         _positive_int("threads", threads)
@@ -142,52 +203,51 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
         raise StudyError(f"lr must be a positive number, got {lr!r}")
     eval_every = _positive_int("eval_every", max(1, steps // 20) if eval_every is None else eval_every)
     kwargs = dict(optimizer_kwargs or {})
-    accepted = [n for n, a in inspect.signature(OPTIMIZERS[optimizer]).parameters.items()
-                if n not in ("self", "params", "lr", "qconfig", "fused") and a.kind is not a.VAR_KEYWORD]
-    unknown = [k for k in kwargs if k not in accepted]
-    if unknown:
-        raise StudyError(f"{optimizer} has no argument {unknown[0]!r} (accepted: {', '.join(accepted)})")
-    try:  # the optimizer arguments (and fused=True without the extension) fail here, not mid-study
-        make_optimizer(optimizer, [("probe", torch.nn.Parameter(torch.zeros(2)))], lr=lr,
-                       qconfig=entries[0].config, fused=fused, kwargs=kwargs)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise StudyError(f"{optimizer} optimizer: {' '.join(str(e).split())}") from None
+    _check_optimizer(optimizer, kwargs, lr, fused, entries)
     out_dir = None if out is False else Path(default_out_dir() if out in (None, True) else out)
+    return _Arguments(entries, task_obj, optimizer, steps, seed_list, lr, fused, eval_every, threads, kwargs, out_dir)
 
-    settings = {"task": task_obj.name, "optimizer": optimizer, "steps": steps, "seeds": seed_list, "lr": lr,
-                "lr_schedule": getattr(task_obj.lr_schedule, "__name__", None) if task_obj.lr_schedule else "constant",
-                "fused": {None: "auto", True: "on", False: "off"}[fused], "eval_every": eval_every,
-                "threads": threads or torch.get_num_threads(), "optimizer_kwargs": kwargs,
-                "optimizer_defaults": _optimizer_defaults(optimizer, kwargs),
-                "divergence": f"non-finite train/eval loss, or eval loss above the initial eval loss after "
-                              f"{WARMUP_FRACTION:.0%} of the steps",
-                "torch": torch.__version__}
-    settings["command"] = _equivalent_command(entries, task, settings, out_dir, measure_error)
-    result = StudyResult(task_obj, entries, settings, started=_now())
-    if announce:
-        print(f"task {task_obj.name}: {task_obj.description}")
-        print(f"{len(entries)} config(s) x {len(seed_list)} seed(s) x {steps} steps; {optimizer}, lr {lr:g} "
-              f"({settings['lr_schedule']}), fused {settings['fused']}, {settings['threads']} thread(s)"
-              + (f"; writing to {out_dir}" if out_dir is not None else ""), flush=True)
 
-    # -- run ---------------------------------------------------------------------------------
+def _settings(a: _Arguments) -> dict[str, Any]:
+    """The study's settings as recorded in results.json and report.md (without ``command``)."""
+    return {"task": a.task.name, "optimizer": a.optimizer, "steps": a.steps, "seeds": a.seeds, "lr": a.lr,
+            "lr_schedule": getattr(a.task.lr_schedule, "__name__", None) if a.task.lr_schedule else "constant",
+            "fused": {None: "auto", True: "on", False: "off"}[a.fused], "eval_every": a.eval_every,
+            "threads": a.threads or torch.get_num_threads(), "optimizer_kwargs": a.kwargs,
+            "optimizer_defaults": _optimizer_defaults(a.optimizer, a.kwargs),
+            "divergence": f"non-finite train/eval loss, or eval loss above the initial eval loss after "
+                          f"{WARMUP_FRACTION:.0%} of the steps",
+            "torch": torch.__version__}
+
+
+def _announce(a: _Arguments, settings: dict[str, Any]) -> None:
+    """The two lines the CLI prints before training: the task, and what will run."""
+    print(f"task {a.task.name}: {a.task.description}")
+    print(f"{len(a.entries)} config(s) x {len(a.seeds)} seed(s) x {a.steps} steps; {a.optimizer}, lr {a.lr:g} "
+          f"({settings['lr_schedule']}), fused {settings['fused']}, {settings['threads']} thread(s)"
+          + (f"; writing to {a.out_dir}" if a.out_dir is not None else ""), flush=True)
+
+
+def _run_all(result: StudyResult, a: _Arguments, measure_error: bool, progress: bool) -> None:
+    """Every (seed, config) run, seed by seed, appended to ``result.runs``. Ctrl-C keeps what is
+    done and sets ``result.interrupted``; torch's thread count is restored afterwards."""
     previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    bar = _progress_bar(len(entries) * len(seed_list) * steps, progress)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    bar = _progress_bar(len(a.entries) * len(a.seeds) * a.steps, progress)
     try:
-        for seed in seed_list:
-            for entry in entries:
+        for seed in a.seeds:
+            for entry in a.entries:
                 def on_step(step: int, loss: float, _label: str = entry.label, _seed: int = seed) -> None:
                     bar.update(1)
                     if step % 10 == 0 or step == 1:
                         bar.set_postfix_str(f"{_label} seed {_seed} loss {loss:.3f}", refresh=False)
 
-                run = train_run(task_obj, entry.config, entry.label, seed, optimizer=optimizer, steps=steps, lr=lr,
-                                fused=fused, eval_every=eval_every, optimizer_kwargs=kwargs,
+                run = train_run(a.task, entry.config, entry.label, seed, optimizer=a.optimizer, steps=a.steps,
+                                lr=a.lr, fused=a.fused, eval_every=a.eval_every, optimizer_kwargs=a.kwargs,
                                 measure_error=measure_error, on_step=on_step)
                 result.runs.append(run)
-                bar.update(steps - run.steps_done)
+                bar.update(a.steps - run.steps_done)
                 if progress:
                     bar.write(_run_line(run))
     except RunInterrupted as stop:
@@ -195,18 +255,12 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
         result.interrupted = True
         if progress:
             bar.write(f"interrupted: {stop.result.config} seed {stop.result.seed} "
-                      f"({stop.result.steps_done}/{steps} steps); writing what is done")
+                      f"({stop.result.steps_done}/{a.steps} steps); writing what is done")
     except KeyboardInterrupt:  # between runs
         result.interrupted = True
     finally:
         bar.close()
         torch.set_num_threads(previous_threads)
-    result.finished = _now()
-
-    if out_dir is not None:
-        write_outputs(result, out_dir)
-        result.out = out_dir
-    return result
 
 
 def _equivalent_command(entries: list[ConfigEntry], task: Any, settings: dict[str, Any], out: Path | None,
