@@ -22,8 +22,6 @@ from typing import Any, Sequence
 from .plots import write_plots
 from .results import StudyResult
 
-PLOTS = ("curves.png", "summary.png", "qerror.png")
-
 
 def write_outputs(result: StudyResult, out: Path) -> list[Path]:
     """Write every output file into ``out`` (created); returns the paths written."""
@@ -52,40 +50,6 @@ def _clean(x: Any) -> Any:
 def _write_json(result: StudyResult, path: Path) -> Path:
     path.write_text(json.dumps(_clean(result.to_dict()), indent=1, allow_nan=False) + "\n")
     return path
-
-
-def load_results(path: str | Path) -> StudyResult:
-    """A :class:`StudyResult` back from a results.json (or its directory), e.g. to re-plot with
-    :func:`write_outputs`. The task is a stand-in (name, description, info, baselines only);
-    losses written as null (non-finite) come back as NaN."""
-    import dataclasses
-
-    from ..config import load_config
-    from .results import ConfigEntry
-    from .runner import RunResult
-    from .task import Task
-
-    path = Path(path)
-    data = json.loads((path / "results.json" if path.is_dir() else path).read_text())
-    t = data["task"]
-
-    def unavailable(*_):
-        raise RuntimeError("a task loaded from results.json cannot train")
-
-    task = Task(t["name"], unavailable, unavailable, unavailable, unavailable, description=t["description"],
-                info=t["info"], baselines=t["baselines"])
-    configs = [ConfigEntry(c["label"], c["source"], load_config(c["config"])) for c in data["configs"]]
-    nan = float("nan")
-    fields = {f.name for f in dataclasses.fields(RunResult)}
-    runs = []
-    for r in data["runs"]:
-        r = {k: v for k, v in r.items() if k in fields}
-        r["train_loss"] = [nan if v is None else v for v in r["train_loss"]]
-        r["eval"] = [{k: (nan if v is None else v) for k, v in e.items()} for e in r["eval"]]
-        r["qerr"] = {k: [[x, nan if v is None else v] for x, v in curve] for k, curve in r["qerr"].items()}
-        runs.append(RunResult(**r))
-    return StudyResult(task, configs, data["settings"], runs, interrupted=data["interrupted"],
-                       started=data["started"], finished=data["finished"])
 
 
 def _write_csv(result: StudyResult, path: Path) -> Path:

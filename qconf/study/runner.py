@@ -74,10 +74,6 @@ class RunResult:
         return self.status == "diverged"
 
     @property
-    def initial_eval(self) -> dict[str, float] | None:
-        return self.eval[0] if self.eval else None
-
-    @property
     def final_eval(self) -> dict[str, float] | None:
         return self.eval[-1] if len(self.eval) > 1 else None
 
