@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from ._table import format_table
-from .config import STATE_NAMES, QConfig, load_config
+from .config import STATE_NAMES, QConfig, load_config, resolve_plan
 from .errors import QConfigError
 
 __all__ = ["main", "build_parser", "parse_model_shapes", "COMMANDS"]
@@ -110,7 +110,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 def _plan_data(cfg: QConfig, params: list[tuple[str, tuple[int, ...]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    plans = [cfg.plan(name, shape) for name, shape in params]
+    plans = [resolve_plan(cfg, name, shape) for name, shape in params]
     rows = [p.to_dict() for p in plans]
     numel = sum(p.numel for p in plans)
     total = sum(p.nbytes() for p in plans)
