@@ -32,6 +32,14 @@ def write_plots(result: StudyResult, out: Path) -> list[Path]:
     return paths
 
 
+def _save(fig: Any, path: Path, dpi: int, plt: Any) -> Path:
+    """Lay out ``fig``, write it to ``path`` as PNG and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _band(runs: list, key) -> tuple[list[float], list[float], list[float]]:
     """Steps, mean and std over runs of ``key(run) -> {step: value}`` (finite values only)."""
     by_step: dict[float, list[float]] = {}
@@ -150,10 +158,7 @@ def _plot_curves(result: StudyResult, path: Path, colors: dict, plt) -> Path:
             zoom += _curves_stable(axes, c, stable, colors[c.label], markers[c.label], window, steps_total / 2)
         _curves_diverged(ax_e, ax_t, c, [r for r in runs if r.diverged], colors[c.label], window, cap)
     _curves_axes(result, axes, window, cap, zoom)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 100, plt)
 
 
 def _markers(result: StudyResult) -> dict[str, str]:
@@ -208,10 +213,7 @@ def _plot_summary(result: StudyResult, path: Path, colors: dict, plt) -> Path:
                            fontsize=9)
         ax.set_xlabel("config")
         ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 110, plt)
 
 
 _QERR_TITLES = {"exp_avg": "first moment exp_avg", "exp_avg_sq": "second moment exp_avg_sq",
@@ -261,7 +263,4 @@ def _plot_qerror(result: StudyResult, path: Path, colors: dict, plt) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle("quantization error of the optimizer states against the fp32 shadow (mean ± std over stable "
                  "seeds; diverged seeds dashed, x = last evaluation before stopping)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, 110, plt)
