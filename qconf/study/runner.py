@@ -71,14 +71,17 @@ class RunResult:
 
     @property
     def diverged(self) -> bool:
+        """Whether the run stopped early because it diverged."""
         return self.status == "diverged"
 
     @property
     def final_eval(self) -> dict[str, float] | None:
+        """The last evaluation after training started (None if the run never reached one)."""
         return self.eval[-1] if len(self.eval) > 1 else None
 
     @property
     def best_eval_loss(self) -> float | None:
+        """The lowest finite eval loss after training started (None if there is none)."""
         losses = [e["loss"] for e in self.eval[1:] if math.isfinite(e["loss"])]
         return min(losses) if losses else None
 
@@ -88,6 +91,7 @@ class RunResult:
         return finite[-1] if finite else None
 
     def to_dict(self) -> dict[str, Any]:
+        """The run as plain data, with the derived final/best values (an entry of results.json's runs)."""
         d = dataclasses.asdict(self)
         d["final_eval"] = self.final_eval
         d["best_eval_loss"] = self.best_eval_loss
