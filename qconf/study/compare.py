@@ -1,4 +1,6 @@
-"""``qconf.study.compare``: train a task under several qconfigs and seeds, summarize, write reports.
+"""``qconf.study.compare``: the study itself -- load the configs and check every argument, train a
+task under each qconfig and seed, and hand the :class:`~qconf.study.results.StudyResult` to the
+report writers (:mod:`qconf.study.report`).
 
 Every (config, seed) run starts from ``task.make_model(seed)`` and reads ``task.batches(seed)``, so
 the configs of one seed see the same initial weights and the same data order; only the optimizer
