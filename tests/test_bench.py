@@ -130,7 +130,7 @@ def test_contender_errors_become_rows(capsys, monkeypatch):
             raise RuntimeError("no kernel for this CPU")
         return [bench.Contender("broken", "a broken optimizer", rows[0].dtype, fail)] + rows
 
-    monkeypatch.setattr(bench, "contenders", broken)
+    monkeypatch.setattr(bench.cli, "contenders", broken)  # where run() looks it up
     code = bench.main(["--size", "tiny", "--rounds", "1", "--warmup", "1", "--quiet", "--no-rss",
                        "--contenders", "broken"])
     assert code == 0

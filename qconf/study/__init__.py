@@ -7,7 +7,8 @@
 See docs/studies.md. Built-in tasks: ``charlm`` (byte-level GPT on CPython's stdlib sources) and
 ``digits`` (MLP on scikit-learn's digits); your own: a function returning a :class:`Task`.
 """
-from .compare import StudyResult, compare
+from .compare import compare
+from .results import StudyResult
 from .runner import RunResult
 from .task import StudyError, Task
 from .tasks import BUILTIN_TASKS, DEFAULT_TASK, resolve_task

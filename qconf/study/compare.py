@@ -1,4 +1,6 @@
-"""``qconf.study.compare``: train a task under several qconfigs and seeds, summarize, write reports.
+"""``qconf.study.compare``: the study itself -- load the configs and check every argument, train a
+task under each qconfig and seed, and hand the :class:`~qconf.study.results.StudyResult` to the
+report writers (:mod:`qconf.study.report`).
 
 Every (config, seed) run starts from ``task.make_model(seed)`` and reads ``task.batches(seed)``, so
 the configs of one seed see the same initial weights and the same data order; only the optimizer
@@ -13,194 +15,20 @@ import inspect
 import math
 import os
 import shlex
-import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..config import QConfig, load_config
+from ..config import load_config
+from .report import write_outputs
+from .results import ConfigEntry, StudyResult
 from .runner import OPTIMIZERS, RunInterrupted, RunResult, WARMUP_FRACTION, make_optimizer, train_run
 from .task import StudyError, Task
 from .tasks import DEFAULT_TASK, resolve_task
 
 DEFAULT_SEEDS = 2
 FUSED_CHOICES = {"auto": None, "on": True, "off": False}
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigEntry:
-    """One compared config: its label (column in every output), source path and resolved form."""
-
-    label: str
-    source: str
-    config: QConfig
-
-    @property
-    def quantized(self) -> bool:
-        """Whether any state is quantized (False for an fp32 baseline such as configs/fp32.yml)."""
-        return any(s.enable for s in self.config.states.values()) or any(
-            o.enable or o.states for o in self.config.overrides)
-
-
-def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return None, None
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-@dataclasses.dataclass
-class StudyResult:
-    """The outcome of :func:`compare`: settings, every run, and per-config summaries.
-
-    ``runs`` holds every run that started (``status`` ok / diverged / interrupted); ``summary()``
-    aggregates them per config (mean ± std over the seeds that finished without diverging),
-    ``table()`` renders the summary, ``to_dict()`` is what results.json contains.
-    """
-
-    task: Task
-    configs: list[ConfigEntry]
-    settings: dict[str, Any]
-    runs: list[RunResult] = dataclasses.field(default_factory=list)
-    interrupted: bool = False
-    out: Path | None = None
-    started: str = ""
-    finished: str = ""
-
-    # -- aggregation -------------------------------------------------------------------------
-    def runs_of(self, label: str) -> list[RunResult]:
-        return [r for r in self.runs if r.config == label]
-
-    def metric_names(self) -> list[str]:
-        """Eval metrics besides the loss (e.g. ``accuracy``), in the task's order."""
-        names: dict[str, None] = {}
-        for r in self.runs:
-            for e in r.eval:
-                names.update((k, None) for k in e if k not in ("step", "loss"))
-        return list(names)
-
-    def state_names(self) -> list[str]:
-        """Names with a quantization-error curve: optimizer states first, then diagnostics."""
-        names: dict[str, None] = {}
-        for r in self.runs:
-            names.update((k, None) for k in r.qerr)
-        extra = [k for k in ("update", "v_zero") if k in names]
-        return [k for k in names if k not in extra] + extra
-
-    def summary(self) -> list[dict[str, Any]]:
-        """One dict per config (the columns of results.csv)."""
-        rows = []
-        planned = len(self.settings["seeds"])
-        base = self.baseline()
-        base_final = ({r.seed: r.final_eval["loss"] for r in self.runs_of(base.label) if r.status == "ok"}
-                      if base is not None else {})
-        for entry in self.configs:
-            runs = self.runs_of(entry.label)
-            finished = [r for r in runs if r.status in ("ok", "diverged")]
-            ok = [r for r in runs if r.status == "ok"]
-            diverged = [r for r in runs if r.diverged]
-            row: dict[str, Any] = {
-                "config": entry.label, "source": entry.source, "seeds_planned": planned,
-                "seeds_finished": len(finished), "seeds_ok": len(ok), "seeds_diverged": len(diverged),
-                "seeds_interrupted": sum(r.status == "interrupted" for r in runs),
-                "unstable": len(diverged) / len(finished) if finished else None,
-            }
-            row["final_loss_mean"], row["final_loss_std"] = _mean_std([r.final_eval["loss"] for r in ok])
-            row["best_loss_mean"], row["best_loss_std"] = _mean_std([r.best_eval_loss for r in ok])
-            # paired over seeds (same initial weights and batches): final loss minus the baseline's
-            paired = [r.final_eval["loss"] - base_final[r.seed] for r in ok if r.seed in base_final]
-            row["vs_baseline_mean"], row["vs_baseline_std"] = _mean_std(paired)
-            row["vs_baseline_seeds"] = len(paired)
-            for m in self.metric_names():
-                row[f"final_{m}_mean"], row[f"final_{m}_std"] = _mean_std(
-                    [r.final_eval.get(m) for r in ok if r.final_eval])
-            timed = [r for r in runs if r.step_ms is not None]
-            row["step_ms"] = statistics.median(r.step_ms for r in timed) if timed else None
-            row["opt_ms"] = statistics.median(r.opt_ms for r in timed) if timed else None
-            sized = [r.state_bytes_per_param for r in runs if r.state_bytes_per_param is not None]
-            row["state_bytes_per_param"] = sized[0] if sized else None
-            # state errors describe storage, not the outcome: diverged seeds count too (their last
-            # finite measurement, taken at or before the evaluation where they stopped)
-            for s in self.state_names():
-                row[f"qerr_{s}_mean"], row[f"qerr_{s}_std"] = _mean_std([r.final_qerr(s) for r in finished])
-            row["diverged_reasons"] = "; ".join(f"seed {r.seed}: {r.reason}" for r in diverged)
-            rows.append(row)
-        return rows
-
-    def baseline(self) -> ConfigEntry | None:
-        """The first config that quantizes nothing (the fp32 reference), if any."""
-        return next((c for c in self.configs if not c.quantized), None)
-
-    def best(self) -> str | None:
-        """Label of the config with the lowest mean final eval loss among those that never diverged
-        (among all with a result if every config diverged somewhere)."""
-        rows = [r for r in self.summary() if r["final_loss_mean"] is not None]
-        stable = [r for r in rows if not r["seeds_diverged"]] or rows
-        return min(stable, key=lambda r: r["final_loss_mean"])["config"] if stable else None
-
-    # -- rendering ----------------------------------------------------------------------------
-    def table_rows(self) -> tuple[list[str], list[list[Any]], str]:
-        """``(headers, rows, align)`` of the summary table (shared by the terminal and report.md)."""
-        metrics = self.metric_names()
-        states = self.state_names()
-        base = self.baseline()
-        headers = ["config", "state B/param", "final eval loss", "best eval loss"]
-        if base is not None:
-            headers.append(f"vs {base.label} (paired)")
-        headers += [f"final {m}" for m in metrics]
-        headers += ["unstable", "ms/step", "opt ms/step"]
-        headers += [("err " if s not in ("v_zero",) else "") + s for s in states]
-        rows = []
-        for r in self.summary():
-            line: list[Any] = [r["config"], _fmt(r["state_bytes_per_param"], ".3f"),
-                               _pm(r["final_loss_mean"], r["final_loss_std"]),
-                               _pm(r["best_loss_mean"], r["best_loss_std"])]
-            if base is not None:
-                line.append("-" if r["config"] == base.label else _pm(r["vs_baseline_mean"], r["vs_baseline_std"], "+.4f"))
-            line += [_pm(r[f"final_{m}_mean"], r[f"final_{m}_std"]) for m in metrics]
-            if r["seeds_finished"]:
-                unstable = f"{100 * r['unstable']:.0f}% ({r['seeds_diverged']}/{r['seeds_finished']})"
-            else:
-                unstable = "-"
-            if r["seeds_interrupted"] or r["seeds_finished"] < r["seeds_planned"]:
-                unstable += f" [{r['seeds_finished']}/{r['seeds_planned']} run]"
-            line += [unstable, _fmt(r["step_ms"], ".1f"), _fmt(r["opt_ms"], ".2f")]
-            line += [_fmt(r[f"qerr_{s}_mean"], ".3%" if s == "v_zero" else ".2e") for s in states]
-            rows.append(line)
-        align = "lrll" + ("l" if base is not None else "") + "l" * len(metrics) + "lrr" + "r" * len(states)
-        return headers, rows, align
-
-    def table(self) -> str:
-        from .._table import format_table
-
-        headers, rows, align = self.table_rows()
-        return format_table(headers, rows, align=align)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "format_version": 1,
-            "task": {"name": self.task.name, "description": self.task.description, "info": dict(self.task.info),
-                     "baselines": dict(self.task.baselines)},
-            "settings": self.settings,
-            "configs": [{"label": c.label, "source": c.source, "quantized": c.quantized,
-                         "config": c.config.to_dict()} for c in self.configs],
-            "started": self.started, "finished": self.finished, "interrupted": self.interrupted,
-            "best": self.best(),
-            "baseline": (b.label if (b := self.baseline()) else None),
-            "summary": self.summary(),
-            "runs": [r.to_dict() for r in self.runs],
-        }
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _pm(mean: float | None, std: float | None, spec: str = ".4f") -> str:
-    if mean is None:
-        return "-"
-    return f"{mean:{spec}} ± {std:.4f}"
 
 
 # -- argument handling ---------------------------------------------------------------------------
@@ -264,6 +92,7 @@ def _seeds(seeds: int | Sequence[int]) -> list[int]:
 
 
 def default_out_dir() -> Path:
+    """``qconf-results/<local date-time>``: where a study writes when no ``out`` is given."""
     return Path("qconf-results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
@@ -297,16 +126,75 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
     marked, outputs are written and ``result.interrupted`` is True (no exception).
     Raises :class:`StudyError` / :class:`~qconf.QConfigError` before training on bad arguments.
     """
-    # -- validate everything before the first step -----------------------------------------------
-    entries = load_configs(configs)
-    if optimizer not in OPTIMIZERS:
-        raise StudyError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
+    a = _check_arguments(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused, out=out,
+                         eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs)
+    settings = _settings(a)
+    settings["command"] = _equivalent_command(a.entries, task, settings, a.out_dir, measure_error)
+    result = StudyResult(a.task, a.entries, settings, started=_now())
+    if announce:
+        _announce(a, settings)
+    _run_all(result, a, measure_error, progress)
+    result.finished = _now()
+    if a.out_dir is not None:
+        write_outputs(result, a.out_dir)
+        result.out = a.out_dir
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arguments:
+    """:func:`compare`'s arguments after validation, defaults filled in (what every run uses)."""
+
+    entries: list[ConfigEntry]
+    task: Task
+    optimizer: str
+    steps: int
+    seeds: list[int]
+    lr: float
+    fused: bool | None
+    eval_every: int
+    threads: int | None
+    kwargs: dict[str, Any]
+    out_dir: Path | None
+
+
+def _fused_flag(fused: str | bool | None) -> bool | None:
+    """``"auto"``/``"on"``/``"off"`` or None/True/False -> None/True/False; StudyError otherwise."""
     if isinstance(fused, str):
         if fused not in FUSED_CHOICES:
             raise StudyError(f"fused must be one of {', '.join(FUSED_CHOICES)}, got {fused!r}")
         fused = FUSED_CHOICES[fused]
     if fused not in (None, True, False):
         raise StudyError(f"fused must be 'auto', 'on', 'off', None, True or False, got {fused!r}")
+    return fused
+
+
+def _check_optimizer(optimizer: str, kwargs: dict[str, Any], lr: float, fused: bool | None,
+                     entries: list[ConfigEntry]) -> None:
+    """StudyError for an argument ``optimizer`` does not take, or one it rejects (built once on a probe
+    parameter, so that fused=True without the extension also fails here, not mid-study)."""
+    accepted = [n for n, a in inspect.signature(OPTIMIZERS[optimizer]).parameters.items()
+                if n not in ("self", "params", "lr", "qconfig", "fused") and a.kind is not a.VAR_KEYWORD]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise StudyError(f"{optimizer} has no argument {unknown[0]!r} (accepted: {', '.join(accepted)})")
+    try:
+        make_optimizer(optimizer, [("probe", torch.nn.Parameter(torch.zeros(2)))], lr=lr,
+                       qconfig=entries[0].config, fused=fused, kwargs=kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise StudyError(f"{optimizer} optimizer: {' '.join(str(e).split())}") from None
+
+
+def _check_arguments(configs: Sequence[Any] | Mapping[str, Any], task: str | Task, *, optimizer: str,
+                     steps: int | None, seeds: int | Sequence[int], lr: float | None, fused: str | bool | None,
+                     out: str | os.PathLike | None | bool, eval_every: int | None, threads: int | None,
+                     optimizer_kwargs: Mapping[str, Any] | None) -> _Arguments:
+    """Validate everything before the first step (the first problem raises StudyError or
+    QConfigError) and fill in the task's defaults."""
+    entries = load_configs(configs)
+    if optimizer not in OPTIMIZERS:
+        raise StudyError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
+    fused = _fused_flag(fused)
     seed_list = _seeds(seeds)
     if threads is not None:
         _positive_int("threads", threads)
@@ -317,52 +205,51 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
         raise StudyError(f"lr must be a positive number, got {lr!r}")
     eval_every = _positive_int("eval_every", max(1, steps // 20) if eval_every is None else eval_every)
     kwargs = dict(optimizer_kwargs or {})
-    accepted = [n for n, a in inspect.signature(OPTIMIZERS[optimizer]).parameters.items()
-                if n not in ("self", "params", "lr", "qconfig", "fused") and a.kind is not a.VAR_KEYWORD]
-    unknown = [k for k in kwargs if k not in accepted]
-    if unknown:
-        raise StudyError(f"{optimizer} has no argument {unknown[0]!r} (accepted: {', '.join(accepted)})")
-    try:  # the optimizer arguments (and fused=True without the extension) fail here, not mid-study
-        make_optimizer(optimizer, [("probe", torch.nn.Parameter(torch.zeros(2)))], lr=lr,
-                       qconfig=entries[0].config, fused=fused, kwargs=kwargs)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise StudyError(f"{optimizer} optimizer: {' '.join(str(e).split())}") from None
+    _check_optimizer(optimizer, kwargs, lr, fused, entries)
     out_dir = None if out is False else Path(default_out_dir() if out in (None, True) else out)
+    return _Arguments(entries, task_obj, optimizer, steps, seed_list, lr, fused, eval_every, threads, kwargs, out_dir)
 
-    settings = {"task": task_obj.name, "optimizer": optimizer, "steps": steps, "seeds": seed_list, "lr": lr,
-                "lr_schedule": getattr(task_obj.lr_schedule, "__name__", None) if task_obj.lr_schedule else "constant",
-                "fused": {None: "auto", True: "on", False: "off"}[fused], "eval_every": eval_every,
-                "threads": threads or torch.get_num_threads(), "optimizer_kwargs": kwargs,
-                "optimizer_defaults": _optimizer_defaults(optimizer, kwargs),
-                "divergence": f"non-finite train/eval loss, or eval loss above the initial eval loss after "
-                              f"{WARMUP_FRACTION:.0%} of the steps",
-                "torch": torch.__version__}
-    settings["command"] = _equivalent_command(entries, task, settings, out_dir, measure_error)
-    result = StudyResult(task_obj, entries, settings, started=_now())
-    if announce:
-        print(f"task {task_obj.name}: {task_obj.description}")
-        print(f"{len(entries)} config(s) x {len(seed_list)} seed(s) x {steps} steps; {optimizer}, lr {lr:g} "
-              f"({settings['lr_schedule']}), fused {settings['fused']}, {settings['threads']} thread(s)"
-              + (f"; writing to {out_dir}" if out_dir is not None else ""), flush=True)
 
-    # -- run ---------------------------------------------------------------------------------
+def _settings(a: _Arguments) -> dict[str, Any]:
+    """The study's settings as recorded in results.json and report.md (without ``command``)."""
+    return {"task": a.task.name, "optimizer": a.optimizer, "steps": a.steps, "seeds": a.seeds, "lr": a.lr,
+            "lr_schedule": getattr(a.task.lr_schedule, "__name__", None) if a.task.lr_schedule else "constant",
+            "fused": {None: "auto", True: "on", False: "off"}[a.fused], "eval_every": a.eval_every,
+            "threads": a.threads or torch.get_num_threads(), "optimizer_kwargs": a.kwargs,
+            "optimizer_defaults": _optimizer_defaults(a.optimizer, a.kwargs),
+            "divergence": f"non-finite train/eval loss, or eval loss above the initial eval loss after "
+                          f"{WARMUP_FRACTION:.0%} of the steps",
+            "torch": torch.__version__}
+
+
+def _announce(a: _Arguments, settings: dict[str, Any]) -> None:
+    """The two lines the CLI prints before training: the task, and what will run."""
+    print(f"task {a.task.name}: {a.task.description}")
+    print(f"{len(a.entries)} config(s) x {len(a.seeds)} seed(s) x {a.steps} steps; {a.optimizer}, lr {a.lr:g} "
+          f"({settings['lr_schedule']}), fused {settings['fused']}, {settings['threads']} thread(s)"
+          + (f"; writing to {a.out_dir}" if a.out_dir is not None else ""), flush=True)
+
+
+def _run_all(result: StudyResult, a: _Arguments, measure_error: bool, progress: bool) -> None:
+    """Every (seed, config) run, seed by seed, appended to ``result.runs``. Ctrl-C keeps what is
+    done and sets ``result.interrupted``; torch's thread count is restored afterwards."""
     previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    bar = _progress_bar(len(entries) * len(seed_list) * steps, progress)
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    bar = _progress_bar(len(a.entries) * len(a.seeds) * a.steps, progress)
     try:
-        for seed in seed_list:
-            for entry in entries:
+        for seed in a.seeds:
+            for entry in a.entries:
                 def on_step(step: int, loss: float, _label: str = entry.label, _seed: int = seed) -> None:
                     bar.update(1)
                     if step % 10 == 0 or step == 1:
                         bar.set_postfix_str(f"{_label} seed {_seed} loss {loss:.3f}", refresh=False)
 
-                run = train_run(task_obj, entry.config, entry.label, seed, optimizer=optimizer, steps=steps, lr=lr,
-                                fused=fused, eval_every=eval_every, optimizer_kwargs=kwargs,
+                run = train_run(a.task, entry.config, entry.label, seed, optimizer=a.optimizer, steps=a.steps,
+                                lr=a.lr, fused=a.fused, eval_every=a.eval_every, optimizer_kwargs=a.kwargs,
                                 measure_error=measure_error, on_step=on_step)
                 result.runs.append(run)
-                bar.update(steps - run.steps_done)
+                bar.update(a.steps - run.steps_done)
                 if progress:
                     bar.write(_run_line(run))
     except RunInterrupted as stop:
@@ -370,20 +257,12 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
         result.interrupted = True
         if progress:
             bar.write(f"interrupted: {stop.result.config} seed {stop.result.seed} "
-                      f"({stop.result.steps_done}/{steps} steps); writing what is done")
+                      f"({stop.result.steps_done}/{a.steps} steps); writing what is done")
     except KeyboardInterrupt:  # between runs
         result.interrupted = True
     finally:
         bar.close()
         torch.set_num_threads(previous_threads)
-    result.finished = _now()
-
-    if out_dir is not None:
-        from .report import write_outputs
-
-        write_outputs(result, out_dir)
-        result.out = out_dir
-    return result
 
 
 def _equivalent_command(entries: list[ConfigEntry], task: Any, settings: dict[str, Any], out: Path | None,

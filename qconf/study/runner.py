@@ -71,18 +71,17 @@ class RunResult:
 
     @property
     def diverged(self) -> bool:
+        """Whether the run stopped early because it diverged."""
         return self.status == "diverged"
 
     @property
-    def initial_eval(self) -> dict[str, float] | None:
-        return self.eval[0] if self.eval else None
-
-    @property
     def final_eval(self) -> dict[str, float] | None:
+        """The last evaluation after training started (None if the run never reached one)."""
         return self.eval[-1] if len(self.eval) > 1 else None
 
     @property
     def best_eval_loss(self) -> float | None:
+        """The lowest finite eval loss after training started (None if there is none)."""
         losses = [e["loss"] for e in self.eval[1:] if math.isfinite(e["loss"])]
         return min(losses) if losses else None
 
@@ -92,6 +91,7 @@ class RunResult:
         return finite[-1] if finite else None
 
     def to_dict(self) -> dict[str, Any]:
+        """The run as plain data, with the derived final/best values (an entry of results.json's runs)."""
         d = dataclasses.asdict(self)
         d["final_eval"] = self.final_eval
         d["best_eval_loss"] = self.best_eval_loss
@@ -185,6 +185,26 @@ def _evaluate(task: Task, model: torch.nn.Module) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _check_eval(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, shadow: _Shadow | None,
+                result: RunResult, step: int, warmup: int, initial_loss: float) -> bool:
+    """Evaluate after ``step``; record the metrics and (with a shadow) the state errors in ``result``;
+    True if the run diverged (``result.reason`` says why)."""
+    metrics = _evaluate(task, model)
+    result.eval.append({"step": step, **metrics})
+    if shadow is not None:
+        params, shadow_params = [p for p, _ in shadow.pairs], [s for _, s in shadow.pairs]
+        for key, value in state_errors(opt, shadow.opt, params, shadow_params).items():
+            result.qerr.setdefault(key, []).append([step, value])
+    if not math.isfinite(metrics["loss"]):
+        result.reason = f"non-finite eval loss at step {step}"
+        return True
+    if step >= warmup and metrics["loss"] > initial_loss:
+        result.reason = (f"eval loss {metrics['loss']:.4g} above the initial {initial_loss:.4g} "
+                         f"at step {step}")
+        return True
+    return False
+
+
 def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer: str = "adamw", steps: int,
               lr: float, fused: bool | None = None, eval_every: int, optimizer_kwargs: dict[str, Any] | None = None,
               measure_error: bool = True, on_step: Callable[[int, float], None] | None = None) -> RunResult:
@@ -207,28 +227,11 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
         sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: task.lr_schedule(s, steps))
                  if task.lr_schedule is not None else None)
         shadow = _Shadow(optimizer, named, lr, fused, optimizer_kwargs) if measure_error else None
-        params = [p for _, p in named]
 
         initial = _evaluate(task, model)
         result.eval.append({"step": 0, **initial})
         warmup = math.ceil(WARMUP_FRACTION * steps)
         batches = task.batches(seed)
-
-        def check_eval(step: int) -> bool:
-            """Evaluate after ``step``; record state errors; True if the run diverged."""
-            metrics = _evaluate(task, model)
-            result.eval.append({"step": step, **metrics})
-            if shadow is not None:
-                for key, value in state_errors(opt, shadow.opt, params, [s for _, s in shadow.pairs]).items():
-                    result.qerr.setdefault(key, []).append([step, value])
-            if not math.isfinite(metrics["loss"]):
-                result.reason = f"non-finite eval loss at step {step}"
-                return True
-            if step >= warmup and metrics["loss"] > initial["loss"]:
-                result.reason = (f"eval loss {metrics['loss']:.4g} above the initial {initial['loss']:.4g} "
-                                 f"at step {step}")
-                return True
-            return False
 
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
@@ -259,7 +262,8 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
                 opt_times.append(t3 - t2)
             if on_step is not None:
                 on_step(step, value)
-            if (step % eval_every == 0 or step == steps) and check_eval(step):
+            if (step % eval_every == 0 or step == steps) and _check_eval(task, model, opt, shadow, result, step,
+                                                                          warmup, initial["loss"]):
                 result.status, result.diverged_at = "diverged", step
                 break
     except KeyboardInterrupt:

@@ -1,0 +1,152 @@
+"""The benchmark's entry points: its options (:func:`add_arguments`, shared by ``qconf bench`` and
+``benchmarks/bench_step.py``), the explicit command that repeats a run, :func:`run` (every size,
+JSON-ready result), :func:`execute` (print the tables as they finish, write ``--json``) and
+:func:`main` (the script).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .measure import SIZE_GROUPS, SLOW_FACTOR, bench_size, machine_info
+from .roster import CONFIGS, LR, WEIGHT_DECAY, contenders, default_config_dir, select
+from .rss import CHILD_MALLOC_ENV
+from .tables import format_footer, format_header, format_many_vs_one, format_size
+
+#: the script's --help description
+DESCRIPTION = "Optimizer-step benchmark: qconf vs torch.optim.AdamW, torchao and bitsandbytes low-bit AdamW."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by ``qconf bench`` and ``benchmarks/bench_step.py``)."""
+    p.add_argument("--size", choices=["big", "many", "one", "both", "all", "tiny"], default="both",
+                   metavar="{big,many,one,both,all}",
+                   help="big = 3 tensors of 4096x1024 (12.6M params); many = 1000 tensors of 4096; one = the same "
+                        "4.1M params as one 1000x4096 tensor; both (default) = big and many; all = big, many, one; "
+                        "one table each")
+    p.add_argument("--rounds", type=int, default=50, metavar="N",
+                   help="interleaved rounds; each times one step of every contender (default 50)")
+    p.add_argument("--slow-rounds", type=int, default=7, metavar="N",
+                   help=f"rounds for contenders slower than {SLOW_FACTOR:g}x the baseline (default 7)")
+    p.add_argument("--warmup", type=int, default=3, metavar="N",
+                   help="untimed steps per contender first (absorbs torch.compile time; default 3)")
+    p.add_argument("--threads", type=int, default=2, metavar="T", help="torch.set_num_threads (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the parameters, gradients and round order")
+    p.add_argument("--contenders", metavar="GLOB,...", type=lambda s: [x for x in s.split(",") if x],
+                   help="only these contender keys (fnmatch globs, e.g. 'qconf-fused-*,torch-*'); the baseline "
+                        "torch-fused is always run. --list shows the keys")
+    p.add_argument("--list", action="store_true", help="list contender keys and exit")
+    p.add_argument("--no-rss", dest="rss", action="store_false", help="skip the peak-RSS subprocesses")
+    p.add_argument("--rss-contenders", metavar="GLOB,...", type=lambda s: [x for x in s.split(",") if x],
+                   help="measure peak RSS only for these contender keys")
+    p.add_argument("--rss-steps", type=int, default=3, metavar="N", help="steps measured for peak RSS (default 3)")
+    p.add_argument("--rss-timeout", type=float, default=900.0, help=argparse.SUPPRESS)
+    p.add_argument("--min-numel", type=int, default=None, metavar="N",
+                   help="override the qconf configs' min_numel (a state is quantized iff numel > min_numel; the "
+                        "shipped configs use 4096, so 'many' tensors of exactly 4096 keep fp32 states)")
+    p.add_argument("--configs", type=Path, default=None, metavar="DIR",
+                   help="directory holding default.yml, 2nd_moment_group_128.yml, 8bit.yml (default: the repo's)")
+    p.add_argument("--json", metavar="FILE", help="also write every number (raw per-round times too) as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def canonical_command(prog: str, opts: argparse.Namespace) -> str:
+    """The command with every option explicit (reproduces the run)."""
+    argv = ["--size", opts.size, "--rounds", str(opts.rounds), "--slow-rounds", str(opts.slow_rounds),
+            "--warmup", str(opts.warmup), "--threads", str(opts.threads), "--seed", str(opts.seed)]
+    if opts.contenders:
+        argv += ["--contenders", ",".join(opts.contenders)]
+    if not opts.rss:
+        argv.append("--no-rss")
+    else:
+        argv += ["--rss-steps", str(opts.rss_steps)]
+        if opts.rss_contenders:
+            argv += ["--rss-contenders", ",".join(opts.rss_contenders)]
+    if opts.min_numel is not None:
+        argv += ["--min-numel", str(opts.min_numel)]
+    if opts.configs is not None:
+        argv += ["--configs", str(opts.configs)]
+    if opts.json:
+        argv += ["--json", opts.json]
+    return f"{prog} {shlex.join(argv)}"
+
+
+def _check(opts: argparse.Namespace) -> None:
+    """ValueError on counts below 1 and on a config directory without the benchmarked configs;
+    fills in the default ``opts.configs``."""
+    for name in ("rounds", "slow_rounds", "threads", "rss_steps"):
+        if getattr(opts, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.warmup < 1:
+        raise ValueError("--warmup must be >= 1 (state bytes are read after warm-up)")
+    if opts.configs is None:
+        opts.configs = default_config_dir()
+    missing = [c for c in CONFIGS if not (Path(opts.configs) / c).is_file()]
+    if missing:
+        raise ValueError(f"config(s) {', '.join(missing)} not found in {opts.configs} (pass --configs DIR)")
+
+
+def run(opts: argparse.Namespace, prog: str = "qconf bench",
+        on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark described by ``opts`` (see :func:`add_arguments`); returns the JSON-ready result.
+    ``on_event("start", result)`` and ``on_event(size, result)`` report progress (for printing)."""
+    command = canonical_command(prog, opts)  # before _check fills in the default --configs
+    _check(opts)
+    torch.set_num_threads(opts.threads)
+    rows = select(contenders(opts.configs, opts.min_numel), opts.contenders)
+    sizes = SIZE_GROUPS.get(opts.size, [opts.size])
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "machine": machine_info(opts.threads),
+        "settings": {"rounds": opts.rounds, "slow_rounds": opts.slow_rounds, "slow_factor": SLOW_FACTOR,
+                     "warmup": opts.warmup, "threads": opts.threads, "seed": opts.seed, "rss": opts.rss,
+                     "rss_steps": opts.rss_steps, "min_numel": opts.min_numel, "lr": LR,
+                     "weight_decay": WEIGHT_DECAY, "child_malloc_env": CHILD_MALLOC_ENV,
+                     "configs": str(opts.configs)},
+        "sizes": {},
+    }
+    if on_event is not None:
+        on_event("start", result)
+    for size in sizes:
+        result["sizes"][size] = bench_size(size, rows, opts)
+        if on_event is not None:
+            on_event(size, result)
+    return result
+
+
+def execute(opts: argparse.Namespace, prog: str) -> int:
+    """Run, print the report (each size's table as soon as it is done) and write --json; exit code."""
+    if opts.list:
+        for c in contenders(opts.configs or default_config_dir(), opts.min_numel):
+            print(f"{c.key:30s} {c.label} ({str(c.dtype).replace('torch.', '')})")
+        return 0
+    def show(event: str, result: dict[str, Any]) -> None:
+        text = format_header(result) if event == "start" else format_size(result["sizes"][event])
+        if event == "one" and "many" in result["sizes"]:
+            text += "\n\n" + format_many_vs_one(result["sizes"]["many"], result["sizes"]["one"])
+        print(text + "\n", flush=True)
+
+    try:
+        result = run(opts, prog, show)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(format_footer(result), flush=True)
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python benchmarks/bench_step.py") -> int:
+    """``benchmarks/bench_step.py``: parse ``argv`` and :func:`execute`; returns the exit code."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return execute(parser.parse_args(argv), prog)

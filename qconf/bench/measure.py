@@ -1,0 +1,240 @@
+"""Measuring one size: warm-up, interleaved timing rounds, ratios, peak RSS, CPU contention, and
+the machine description the report starts with.
+
+After a warm-up (which also absorbs torch.compile time for torchao), :func:`bench_size` runs
+*rounds*: in each round it times one ``step()`` of every contender, in a shuffled order, and divides
+each time by the time of torch's fused AdamW (fp32) in the same round. A contender's ratio is the
+median of those per-round ratios, so slow drifts of the machine cancel out; ns/param is the median
+of its own step times. Contenders whose warm-up step is more than :data:`SLOW_FACTOR` times the
+baseline's are timed in fewer, evenly spread rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from .. import __version__
+from .. import ops  # noqa: F401  (loads qconf._C, which registers torch.ops.qconf: cpu_isa below)
+from .roster import BASELINE, Contender, matches
+from .rss import measure_rss
+from .tensors import copy_for, make_base, state_bytes_per_param
+
+#: Parameter shapes per size. ``tiny`` is for smoke tests (not advertised in --help).
+SIZES: dict[str, list[tuple[int, ...]]] = {
+    "big": [(4096, 1024)] * 3,          # 12.6M params in 3 tensors
+    "many": [(4096,)] * 1000,           # 4.1M params in 1000 tensors (per-tensor overhead)
+    "one": [(1000, 4096)],              # the same 4.1M params as one tensor (what `many` is compared to)
+    "tiny": [(64, 128), (64, 128), (100,)],
+}
+SIZE_TEXT = {"big": "3 tensors of 4096x1024", "many": "1000 tensors of 4096", "one": "1 tensor of 1000x4096",
+             "tiny": "2 x 64x128 + 1 x 100"}
+#: what --size names: the groups run one after another in one process
+SIZE_GROUPS = {"both": ["big", "many"], "all": ["big", "many", "one"]}
+#: a contender whose warm-up step takes longer than this many baseline steps is timed in fewer rounds
+SLOW_FACTOR = 20.0
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: message`` of ``e`` on one line, at most 160 characters."""
+    text = " ".join(str(e).split())
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _timed_step(opt: Any) -> int:
+    t0 = time.perf_counter_ns()
+    opt.step()
+    return time.perf_counter_ns() - t0
+
+
+def _spread(k: int, n: int) -> set[int]:
+    """``k`` round indices spread evenly over ``range(n)``."""
+    if k >= n:
+        return set(range(n))
+    return {round(i * (n - 1) / max(k - 1, 1)) for i in range(k)} if k > 1 else {n // 2}
+
+
+def _log(opts: argparse.Namespace, msg: str) -> None:
+    if not opts.quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _warm_up(size: str, rows: list[Contender], base: Any, numel: int, opts: argparse.Namespace
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, int]]:
+    """Build every contender on its copy of ``base`` and run the warm-up steps: ``(results, live
+    optimizers, fastest warm-up step ns)``. A contender that cannot run is a row with its error."""
+    results: dict[str, dict[str, Any]] = {}
+    live: dict[str, Any] = {}
+    warm_ns: dict[str, int] = {}
+    for c in rows:
+        r: dict[str, Any] = {"key": c.key, "label": c.label, "dtype": str(c.dtype).replace("torch.", ""),
+                             "family": c.family, "status": "ok", "error": None}
+        results[c.key] = r
+        if c.requires is not None and importlib.util.find_spec(c.requires) is None:
+            r.update(status="not installed", error=f"{c.requires} is not installed")
+            continue
+        _log(opts, f"[{size}] {c.key}: build + {opts.warmup} warm-up steps")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = c.build(copy_for(base, c.dtype))
+                times = [_timed_step(opt) for _ in range(opts.warmup)]
+        except Exception as e:  # a contender that cannot run here is a row with its error, not a crash
+            r.update(status="error", error=one_line(e))
+            continue
+        live[c.key] = opt
+        warm_ns[c.key] = min(times[1:] or times)
+        r["state_bytes_per_param"] = state_bytes_per_param(c, opt, numel)
+    return results, live, warm_ns
+
+
+def _timed_rounds(size: str, live: dict[str, Any], warm_ns: dict[str, int], results: dict[str, dict[str, Any]],
+                  opts: argparse.Namespace) -> tuple[dict[str, list[int | None]], dict[str, float] | None]:
+    """The interleaved rounds: ``(step ns per contender and round (None: not timed), CPU contention)``.
+    Slow contenders run in :func:`_spread` rounds only; the order within a round is shuffled."""
+    rounds = opts.rounds
+    schedule: dict[str, set[int]] = {}
+    base_warm = warm_ns.get(BASELINE)
+    for key in live:
+        slow = key != BASELINE and base_warm is not None and warm_ns[key] > SLOW_FACTOR * base_warm
+        schedule[key] = _spread(min(opts.slow_rounds, rounds), rounds) if slow else set(range(rounds))
+    times: dict[str, list[int | None]] = {key: [None] * rounds for key in live}
+    rng = random.Random(opts.seed)
+    _log(opts, f"[{size}] {rounds} interleaved rounds over {len(live)} contenders")
+    gc.collect()
+    cpu_start = _cpu_snapshot()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(rounds):
+            order = [key for key in live if i in schedule[key]]
+            rng.shuffle(order)
+            for key in order:
+                if results[key]["status"] != "ok":
+                    continue
+                try:
+                    times[key][i] = _timed_step(live[key])
+                except Exception as e:
+                    results[key].update(status="error", error=one_line(e))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return times, _contention(cpu_start)
+
+
+def _summarize(rows: list[Contender], times: dict[str, list[int | None]], results: dict[str, dict[str, Any]],
+               numel: int) -> None:
+    """Add ns/param, the ratios to the baseline and to ``relative_to`` rows to ``results``."""
+    base_times = times.get(BASELINE)
+    for key, ts in times.items():
+        r = results[key]
+        got = [t for t in ts if t is not None]
+        r["times_ns"] = ts
+        r["rounds_timed"] = len(got)
+        if r["status"] != "ok" or not got:
+            continue
+        r["ns_per_param"] = statistics.median(got) / numel
+        if base_times is not None:
+            ratios = [t / b for t, b in zip(ts, base_times) if t is not None and b]
+            r["ratios"] = ratios
+            if ratios:
+                r.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+    for c in rows:  # cost over a related row, from the same rounds
+        ref = times.get(c.relative_to) if c.relative_to else None
+        if ref is None or c.key not in times or results[c.key]["status"] != "ok":
+            continue
+        rel = [t / b for t, b in zip(times[c.key], ref) if t is not None and b]
+        if rel:
+            results[c.key].update(relative_to=c.relative_to, ratio_vs_relative=statistics.median(rel))
+
+
+def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace) -> dict[str, Any]:
+    """Time and measure every contender of ``rows`` on one size; returns the JSON-ready result."""
+    shapes = SIZES[size]
+    numel = sum(math.prod(s) for s in shapes)
+    results, live, warm_ns = _warm_up(size, rows, make_base(shapes, opts.seed), numel, opts)
+    times, contention = _timed_rounds(size, live, warm_ns, results, opts)
+    _summarize(rows, times, results, numel)
+    live.clear()
+    gc.collect()
+
+    if opts.rss:
+        for c in rows:
+            r = results[c.key]
+            if r["status"] != "ok" or (opts.rss_contenders and not matches(c.key, opts.rss_contenders)):
+                continue
+            _log(opts, f"[{size}] {c.key}: peak RSS subprocess")
+            r["rss"] = measure_rss(c, shapes, opts)
+    return {"size": size, "shapes": SIZE_TEXT[size], "tensors": len(shapes), "numel": numel, "rounds": opts.rounds,
+            "other_cpu": contention,
+            "slow_rounds": min(opts.slow_rounds, opts.rounds), "rows": [results[c.key] for c in rows]}
+
+
+def _cpu_snapshot() -> tuple[int, int, int, float] | None:
+    """(busy, total, steal) ticks of the whole machine from /proc/stat and this process's CPU seconds."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    busy = user + nice + system + irq + softirq + steal
+    t = os.times()
+    return busy, busy + idle + iowait, steal, t.user + t.system
+
+
+def _contention(start: tuple[int, int, int, float] | None) -> dict[str, float] | None:
+    """Share of the machine's CPU time that *other* processes (and the hypervisor: steal) used since
+    ``start``: the noise indicator printed under each table."""
+    end = _cpu_snapshot()
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = end[1] - start[1]
+    own = (end[3] - start[3]) * hz
+    other = max(end[0] - start[0] - own, 0.0)
+    return {"other_pct": 100.0 * other / total, "steal_pct": 100.0 * (end[2] - start[2]) / total}
+
+
+def _version(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return "?"
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """CPU model and count, qconf's selected CPU ISA, thread count and package versions."""
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        isa = str(torch.ops.qconf.cpu_isa())
+    except Exception as e:
+        isa = f"unavailable ({one_line(e)})"
+    return {"cpu": cpu, "cpus": os.cpu_count(), "qconf_isa": isa,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+            "torch": torch.__version__, "qconf": __version__, "torchao": _version("torchao"),
+            "bitsandbytes": _version("bitsandbytes"), "python": platform.python_version()}

@@ -1,0 +1,125 @@
+"""The benchmark's roster: every contender (:class:`Contender`, :func:`contenders`), the qconf configs
+they load and the selection of rows by ``--contenders``.
+
+A contender is one table row: how to build its optimizer on a list of parameters, the parameter
+dtype, and which optional package it needs. The baseline every ratio is taken against is
+:data:`BASELINE`, torch's fused AdamW on fp32 parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import optim as qoptim
+from ..config import load_config
+
+LR, WEIGHT_DECAY = 1e-3, 1e-2
+BASELINE = "torch-fused"
+#: qconf configs benchmarked, with the short name used in contender keys
+CONFIGS = {"default.yml": "default", "2nd_moment_group_128.yml": "group128", "8bit.yml": "8bit"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One row: ``build(params) -> optimizer``; ``requires`` names a module that must be importable."""
+
+    key: str
+    label: str
+    dtype: torch.dtype
+    build: Callable[[list[torch.Tensor]], Any]
+    requires: str | None = None
+    family: str = "torch"
+    #: also report this row's per-round time ratio to the row with this key (its cost over that row)
+    relative_to: str | None = None
+
+
+def _qconfig(path: Path, min_numel: int | None) -> Any:
+    """The config to hand qconf: the file itself, or its dict with ``min_numel`` replaced."""
+    if min_numel is None:
+        return str(path)
+    data = load_config(str(path)).to_dict()
+    data["min_numel"] = min_numel
+    for section in data.get("states", {}).values():
+        if isinstance(section, dict) and section.get("min_numel") is not None:
+            section["min_numel"] = min_numel
+    return data
+
+
+def contenders(config_dir: str | os.PathLike | None = None, min_numel: int | None = None) -> list[Contender]:
+    """Every contender, in table order (the baseline, torch fused fp32, is ``BASELINE``)."""
+    cdir = Path(config_dir) if config_dir is not None else default_config_dir()
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def torch_adamw(**kw: Any) -> Callable[[list[torch.Tensor]], Any]:
+        return lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, **kw)
+
+    def qconf_adamw(cfg: str, fused: bool, **kw: Any) -> Callable[[list[torch.Tensor]], Any]:
+        def build(ps: list[torch.Tensor]) -> Any:
+            return qoptim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, qconfig=_qconfig(cdir / cfg, min_numel),
+                                fused=fused, **kw)
+        return build
+
+    def torchao_adamw(name: str) -> Callable[[list[torch.Tensor]], Any]:
+        def build(ps: list[torch.Tensor]) -> Any:
+            cls = getattr(importlib.import_module("torchao.optim"), name)
+            return cls(ps, lr=LR, weight_decay=WEIGHT_DECAY)
+        return build
+
+    def bnb_adamw8bit(ps: list[torch.Tensor]) -> Any:
+        bnb = importlib.import_module("bitsandbytes")
+        return bnb.optim.AdamW8bit(ps, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    rows = [
+        Contender("torch-forloop", "torch AdamW for-loop", f32, torch_adamw(foreach=False)),
+        Contender("torch-foreach", "torch AdamW foreach", f32, torch_adamw(foreach=True)),
+        Contender(BASELINE, "torch AdamW fused", f32, torch_adamw(fused=True)),
+        Contender("torch-fused-bf16", "torch AdamW fused", bf16, torch_adamw(fused=True)),
+    ]
+    for dtype, tag in ((f32, "fp32"), (bf16, "bf16")):
+        for cfg, short in CONFIGS.items():
+            rows.append(Contender(f"qconf-fused-{short}-{tag}", f"qconf fused {cfg}", dtype,
+                                  qconf_adamw(cfg, True), family="qconf"))
+    # pure-bf16 weights (docs/precision.md): the same step with stochastic rounding / Kahan
+    plain = "qconf-fused-default-bf16"
+    rows += [
+        Contender(f"{plain}-sr", "qconf fused default.yml + SR weights", bf16,
+                  qconf_adamw("default.yml", True, bf16_stochastic_round=True), family="qconf", relative_to=plain),
+        Contender(f"{plain}-kahan", "qconf fused default.yml + Kahan weights", bf16,
+                  qconf_adamw("default.yml", True, compensation="kahan"), family="qconf", relative_to=plain),
+    ]
+    rows += [
+        Contender("qconf-reference-default-fp32", "qconf reference default.yml", f32,
+                  qconf_adamw("default.yml", False), family="qconf"),
+        Contender("torchao-adamw4bit", "torchao AdamW4bit", f32, torchao_adamw("AdamW4bit"), "torchao", "torchao"),
+        Contender("torchao-adamw8bit", "torchao AdamW8bit", f32, torchao_adamw("AdamW8bit"), "torchao", "torchao"),
+        Contender("bnb-adamw8bit", "bitsandbytes AdamW8bit", f32, bnb_adamw8bit, "bitsandbytes", "bitsandbytes"),
+    ]
+    return rows
+
+
+def default_config_dir() -> Path:
+    """``configs/`` of the source tree qconf is imported from (an editable install or a checkout)."""
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def matches(key: str, patterns: Sequence[str]) -> bool:
+    """Whether ``key`` matches one of the fnmatch ``patterns``."""
+    return any(fnmatchcase(key, p) for p in patterns)
+
+
+def select(all_rows: list[Contender], patterns: Sequence[str] | None) -> list[Contender]:
+    """Rows whose key matches one of the fnmatch ``patterns`` (all when None); the baseline is always kept."""
+    if not patterns:
+        return list(all_rows)
+    keep = [c for c in all_rows if c.key == BASELINE or matches(c.key, patterns)]
+    unknown = [p for p in patterns if not any(fnmatchcase(c.key, p) for c in all_rows)]
+    if unknown:
+        raise ValueError(f"--contenders: {', '.join(map(repr, unknown))} match no contender "
+                         f"(known: {', '.join(c.key for c in all_rows)})")
+    return keep

@@ -1,0 +1,118 @@
+"""The benchmark's printed report: header (machine, command), one table per size with its
+footnotes, the per-tensor overhead lines (``many`` vs ``one``) and the footer.
+
+Every function takes the JSON-ready result of :func:`qconf.bench.run` (or one size of it) and
+returns text; nothing here measures.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .._table import format_table
+from .measure import SLOW_FACTOR
+from .roster import BASELINE
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def _fmt_ns(x: float | None) -> str:
+    if x is None:
+        return ""
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _size_footnotes(res: dict[str, Any], slow: bool, methods: set[str]) -> list[str]:
+    """The lines under a size's table: costs over related rows, CPU noise, slow rows, RSS method."""
+    out = []
+    labels = {r["key"]: f"{r['label']} ({r['dtype']})" for r in res["rows"]}
+    for r in res["rows"]:
+        if r.get("ratio_vs_relative") is not None:
+            out.append(f"cost: {labels[r['key']]}: {r['ratio_vs_relative']:.2f}x the step time of "
+                       f"{labels[r['relative_to']]} (median of per-round ratios).")
+    other = res.get("other_cpu")
+    if other is not None:
+        out.append(f"noise: other processes used {other['other_pct']:.0f}% of the machine's CPU time during the "
+                   f"timed rounds (VM steal {other['steal_pct']:.0f}%).")
+    if slow:
+        out.append(f"* slow contender (warm-up step > {SLOW_FACTOR:g}x the baseline's): timed in {res['slow_rounds']} "
+                   f"of the {res['rounds']} rounds, spread evenly; its ratios use the baseline time of those rounds.")
+    if "sampling" in methods:
+        out.append("peak extra RSS: /proc/self/clear_refs was not writable; sampled VmRSS every 0.5 ms instead "
+                   "(can miss short peaks).")
+    return out
+
+
+def format_size(res: dict[str, Any]) -> str:
+    """One size's table plus footnotes."""
+    head = (f"== {res['size']}: {res['shapes']} = {res['numel']:,} params; {res['rounds']} rounds; "
+            f"ratios = median (min) over rounds of step time / torch AdamW fused fp32 step time in the same round ==")
+    headers = ["contender", "params", "ns/param", "x fused med", "x fused min", "rounds", "state B/param",
+               "peak extra RSS", "note"]
+    body = []
+    slow = False
+    methods = set()
+    for r in res["rows"]:
+        rss = r.get("rss") or {}
+        if "pct_of_param_bytes" in rss:
+            methods.add(rss["method"])
+        note = r["error"] or ""
+        if r["status"] == "ok" and rss.get("error"):
+            note = f"RSS: {rss['error']}"
+        rounds = r.get("rounds_timed")
+        mark = ""
+        if r["status"] == "ok" and rounds is not None and rounds < res["rounds"]:
+            mark, slow = "*", True
+        body.append([r["label"] + ("  (baseline)" if r["key"] == BASELINE else ""), r["dtype"],
+                     _fmt_ns(r.get("ns_per_param")), _fmt(r.get("ratio_median"), ".2f"), _fmt(r.get("ratio_min"), ".2f"),
+                     f"{rounds}{mark}" if r["status"] == "ok" else "", _fmt(r.get("state_bytes_per_param"), ".3f"),
+                     f"{rss['pct_of_param_bytes']:.1f}%" if "pct_of_param_bytes" in rss else "", note])
+    out = [head, format_table(headers, body, align="llrrrrrrl")]
+    return "\n".join(out + _size_footnotes(res, slow, methods))
+
+
+def format_header(result: dict[str, Any]) -> str:
+    """The lines above the tables: date, machine, versions, the explicit command."""
+    m = result["machine"]
+    ext = ", ".join(f"{k} {m[k] or 'not installed'}" for k in ("torchao", "bitsandbytes"))
+    lines = [f"qconf optimizer-step benchmark, {result['date']}",
+             f"machine: {m['cpu']} ({m['cpus']} CPUs), qconf ISA {m['qconf_isa']} "
+             f"(torch capability {m['torch_cpu_capability']}), threads {m['threads']}; torch {m['torch']}, "
+             f"qconf {m['qconf']}, {ext}, Python {m['python']}",
+             f"command: {result['command']}"]
+    if result["settings"]["min_numel"] is not None:
+        lines.append(f"qconf configs with min_numel overridden to {result['settings']['min_numel']}")
+    return "\n".join(lines)
+
+
+def format_footer(result: dict[str, Any]) -> str:
+    """The closing paragraph: what ns/param, state B/param and (when measured) peak extra RSS mean."""
+    text = ("ns/param = median step time / params. state B/param = optimizer-state tensors after warm-up "
+            "(step counters excluded).")
+    if result["settings"]["rss"]:
+        text += (f" peak extra RSS = VmHWM during {result['settings']['rss_steps']} steps minus RSS before them, "
+                 "% of the parameter bytes (fresh subprocess per contender).")
+    lines = [text]
+    return "\n".join(lines)
+
+
+def format_many_vs_one(many: dict[str, Any], one: dict[str, Any]) -> str:
+    """Per-tensor overhead: ns/param on 1000 tensors of 4096 over ns/param on one 1000x4096 tensor."""
+    lines = ["== per-tensor overhead: ns/param on `many` (1000 x 4096) / ns/param on `one` (1 x 1000x4096) =="]
+    by_key = {r["key"]: r for r in one["rows"]}
+    for r in many["rows"]:
+        o = by_key.get(r["key"])
+        if r.get("ns_per_param") and o and o.get("ns_per_param"):
+            lines.append(f"{r['label']} ({r['dtype']}): {r['ns_per_param'] / o['ns_per_param']:.2f}x")
+    return "\n".join(lines)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The whole printed report: header, one table per size, footer."""
+    parts = [format_header(result), ""]
+    for res in result["sizes"].values():
+        parts += [format_size(res), ""]
+    if "many" in result["sizes"] and "one" in result["sizes"]:
+        parts += [format_many_vs_one(result["sizes"]["many"], result["sizes"]["one"]), ""]
+    return "\n".join(parts + [format_footer(result)])
