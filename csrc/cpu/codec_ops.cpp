@@ -17,8 +17,6 @@
 namespace qconf {
 namespace {
 
-// codec: bits, levels, scale_kind, block, d1, inner, stochastic, num_scales
-constexpr size_t kCodecInts = 8;
 constexpr int64_t kTile = 2048, kMaxUnit = 16384;
 
 RunCodecFn codec_function() {
@@ -31,7 +29,9 @@ RunCodecFn codec_function() {
 }
 
 void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Tensor& table, c10::IntArrayRef codec) {
-  TORCH_CHECK(codec.size() == kCodecInts, "qconf encode/decode: codec description must have ", kCodecInts, " ints");
+  // the codec ints (layout.h kCodec*), then the number of stored scales
+  TORCH_CHECK(codec.size() == static_cast<size_t>(kEncodeLen), "qconf encode/decode: codec description must have ",
+              kEncodeLen, " ints");
   TORCH_CHECK(static_cast<int64_t>(shape.size()) <= kMaxDims, "qconf encode/decode: at most ", kMaxDims, " dims");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == kTableRows * kTableSize,
               "qconf encode/decode: table must be a contiguous float32 tensor of ", kTableRows, "x", kTableSize);
@@ -43,7 +43,7 @@ void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Te
   }
   CodecDesc& c = st.codec;
   read_codec(c, codec.data());
-  st.num_scales = codec[7];
+  st.num_scales = codec[kEncodeNumScales];
   TORCH_CHECK(codec_valid(c, t.ndim),
               "qconf encode/decode: invalid codec description");
   point_tables(c, table.data_ptr<float>());

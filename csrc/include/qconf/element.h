@@ -324,6 +324,4 @@ struct LionRule {
   }
 };
 
-enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2 };
-
 }  // namespace qconf

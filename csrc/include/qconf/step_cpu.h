@@ -826,11 +826,11 @@ struct FastQuantizer {
         grid_c(s.codec.grid[1]),
         grid_cap(static_cast<float>(s.codec.levels)),
         top(static_cast<uint32_t>(s.codec.levels - 1)),
-        slope1(Isa::table32(s.codec.lines)),
-        offset1(Isa::table32(s.codec.lines + 32)),
-        slope2(Isa::table32(s.codec.lines + 64)),
-        offset2(Isa::table32(s.codec.lines + 96)),
-        mirror(s.codec.lines[160]),
+        slope1(Isa::table32(s.codec.lines + kLinesSlope1)),
+        offset1(Isa::table32(s.codec.lines + kLinesOffset1)),
+        slope2(Isa::table32(s.codec.lines + kLinesSlope2)),
+        offset2(Isa::table32(s.codec.lines + kLinesOffset2)),
+        mirror(s.codec.lines[kLinesMirror]),
         mids256(Isa::table256p(s.codec.mids, s.codec.mids_words, s.codec.mids_bytes)) {}
   F grid_L, grid_c, grid_cap;
   I top;
@@ -1202,7 +1202,7 @@ inline void process_tile(TensorDesc& t, int64_t start, int64_t n, int32_t phase,
     if (st.kind != kQuant) continue;
     const bool sr = st.codec.stochastic != 0;
     const bool grid = !sr && st.codec.grid[0] != 0.0f;
-    const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[161]);
+    const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[kLinesForm]);
     if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k], b.next)
                       : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, b.s[k], b.sc[k], b.next)
                              : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k], b.next);

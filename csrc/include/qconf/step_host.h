@@ -47,8 +47,8 @@ inline int64_t num_scales_of(const CodecDesc& c, const TensorDesc& t) {
 }
 
 inline Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step, bool first) {
-  // hyper: lr, beta1, beta2, eps, weight_decay, momentum, dampening, maximize, nesterov, decoupled
-  const double lr = hp[0], b1 = hp[1], b2 = hp[2], eps = hp[3], wd = hp[4], mom = hp[5], damp = hp[6];
+  const double lr = hp[kHyperLr], b1 = hp[kHyperBeta1], b2 = hp[kHyperBeta2], eps = hp[kHyperEps];
+  const double wd = hp[kHyperWeightDecay], mom = hp[kHyperMomentum], damp = hp[kHyperDampening];
   Scalars h{};
   h.lr = static_cast<float>(lr);
   h.b1 = static_cast<float>(b1);
@@ -60,9 +60,9 @@ inline Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step,
   h.decay = static_cast<float>(1.0 - lr * wd);
   h.momentum = static_cast<float>(mom);
   h.omdamp = static_cast<float>(1.0 - damp);
-  h.maximize = hp[7] != 0.0;
-  h.nesterov = hp[8] != 0.0;
-  h.decoupled = hp[9] != 0.0;
+  h.maximize = hp[kHyperMaximize] != 0.0;
+  h.nesterov = hp[kHyperNesterov] != 0.0;
+  h.decoupled = hp[kHyperDecoupled] != 0.0;
   h.has_wd = wd != 0.0;
   h.has_momentum = mom != 0.0;
   h.first = first;
@@ -99,8 +99,8 @@ inline void check_call(int64_t rule, at::TensorList params, at::TensorList grads
   const int64_t T = static_cast<int64_t>(params.size());
   TORCH_CHECK(rule >= kRuleAdam && rule <= kRuleLion, "qconf fused_step: unknown rule ", rule);
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == T && static_cast<int64_t>(steps.size()) == T &&
-                  static_cast<int64_t>(states.size()) == kStateSlots * T,
-              "qconf fused_step: expected ", T, " grads and steps and ", kStateSlots * T, " state tensors, got ",
+                  static_cast<int64_t>(states.size()) == kSlotLen * T,
+              "qconf fused_step: expected ", T, " grads and steps and ", kSlotLen * T, " state tensors, got ",
               grads.size(), ", ", steps.size(), ", ", states.size());
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(0) == T && meta.size(1) == kMetaCols &&
                   meta.is_contiguous(),
@@ -109,17 +109,17 @@ inline void check_call(int64_t rule, at::TensorList params, at::TensorList grads
                   tables.size(2) == kTableSize && tables.is_contiguous(),
               "qconf fused_step: tables must be a contiguous float32 tensor of shape (N, ", kTableRows, ", ",
               kTableSize, ")");
-  TORCH_CHECK(hyper.size() == kHyperLen, "qconf fused_step: hyper must have ", kHyperLen, " values");
+  TORCH_CHECK(hyper.size() == static_cast<size_t>(kHyperLen), "qconf fused_step: hyper must have ", kHyperLen, " values");
 }
 
-// A quantized state's codec and storage from its meta columns `sm` (kind, table, bits, levels,
-// scale_kind, block, d1, inner, stochastic) and its tensors `a` (packed codes) / `b` (scales).
+// A quantized state's codec and storage from its meta column block `sm` (layout.h kStateCol*) and
+// its tensors `a` (packed codes) / `b` (scales).
 inline void describe_quant(const int64_t* sm, const at::Tensor& a, const at::Tensor& b, const TensorDesc& t,
                            const float* tab, int64_t ntab, int64_t i, const char* what, int k, StateDesc& st) {
   CodecDesc& c = st.codec;
-  const int64_t table = sm[1];
+  const int64_t table = sm[kStateColTable];
   TORCH_CHECK(table >= 0 && table < ntab, "qconf fused_step: table index out of range");
-  read_codec(c, sm + 2);
+  read_codec(c, sm + kStateColCodec);
   TORCH_CHECK(codec_valid(c, t.ndim), "qconf fused_step: invalid codec description for ", what, " ", k,
               " of parameter ", i);
   point_tables(c, tab + table * kTableRows * kTableSize);
@@ -178,7 +178,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     prefetch_meta(params[j], deep);
     prefetch_meta(grads[j], deep);
     prefetch_meta(steps[j], deep);
-    for (int s = 0; s < kStateSlots; ++s) prefetch_meta(states[j * kStateSlots + s], deep);
+    for (int s = 0; s < kSlotLen; ++s) prefetch_meta(states[j * kSlotLen + s], deep);
   };
   for (int64_t j = 0; j < 4; ++j) prefetch_param(j, false);
   for (int64_t i = 0; i < T; ++i) {
@@ -195,10 +195,10 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     TORCH_CHECK(p.is_contiguous(), "qconf fused_step: parameter ", i, " must be contiguous");
     TORCH_CHECK(g.numel() == p.numel(), "qconf fused_step: gradient ", i, " has ", g.numel(), " elements, the parameter ", p.numel());
     t.numel = p.numel();
-    t.ndim = static_cast<int32_t>(m[kColNdim]);
+    t.ndim = static_cast<int32_t>(m[kMetaNdim]);
     TORCH_CHECK(t.ndim == p.dim() && t.ndim <= kMaxDims, "qconf fused_step: meta ndim of parameter ", i, " is wrong");
     for (int d = 0; d < t.ndim; ++d) {
-      t.shape[d] = m[kColShape + d];
+      t.shape[d] = m[kMetaShape + d];
       TORCH_CHECK(t.shape[d] == p.size(d), "qconf fused_step: meta shape of parameter ", i, " is wrong");
     }
     t.param = p.data_ptr();
@@ -211,21 +211,21 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     float* step_ptr = static_cast<float*>(step.data_ptr());
     *step_ptr += 1.0f;
     const double step_value = static_cast<double>(*step_ptr);
-    if (step_value != scalars_step || (m[kColFirst] != 0) != scalars_first) {
+    if (step_value != scalars_step || (m[kMetaFirst] != 0) != scalars_first) {
       scalars_step = step_value;
-      scalars_first = m[kColFirst] != 0;
+      scalars_first = m[kMetaFirst] != 0;
       scalars = make_scalars(rule, hyper, step_value, scalars_first);
     }
     t.h = scalars;
-    t.factored = static_cast<int32_t>(m[kColFactored]);
+    t.factored = static_cast<int32_t>(m[kMetaFactored]);
 
     int64_t unit = 64;  // tile granularity: whole vectors and bytes of codes, whole single-pass blocks
     for (int k = 0; k < 2; ++k) {
-      const int64_t* sm = m + kColState + k * kStateCols;
+      const int64_t* sm = m + meta_state(k);
       StateDesc& st = t.st[k];
-      st.kind = static_cast<int32_t>(sm[0]);
-      const at::Tensor& a = states[i * kStateSlots + 2 * k];
-      const at::Tensor& b = states[i * kStateSlots + 2 * k + 1];
+      st.kind = static_cast<int32_t>(sm[kStateColKind]);
+      const at::Tensor& a = states[i * kSlotLen + slot_state(k)];
+      const at::Tensor& b = states[i * kSlotLen + slot_scales(k)];
       if (st.kind == kFp32) {
         TORCH_CHECK(a.scalar_type() == at::kFloat && a.numel() == t.numel && a.is_contiguous(),
                     "qconf fused_step: fp32 state ", k, " of parameter ", i, " must be a contiguous float32 tensor of ",
@@ -238,7 +238,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
         check_state_device(b, i);
         const CodecDesc& c = st.codec;
         st.key = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step_value),
-                            static_cast<uint64_t>(m[kColIndex]), static_cast<uint64_t>(k));
+                            static_cast<uint64_t>(m[kMetaIndex]), static_cast<uint64_t>(k));
         st.two_pass = c.scale_kind != kBlock || c.block > kMaxUnit;
         if (!st.two_pass) unit = lcm64(unit, c.block);
       } else {
@@ -246,21 +246,21 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
       }
     }
     // weights: stochastic rounding (stream 2) and/or the Kahan buffer (quantized: stream 3)
-    const int64_t wflags = m[kColWeights];
-    TORCH_CHECK(wflags >= 0 && wflags <= 3, "qconf fused_step: invalid weights flags ", wflags, " of parameter ", i);
+    const int64_t wflags = m[kMetaWeights];
+    TORCH_CHECK((wflags & ~static_cast<int64_t>(kWeightsStochastic | kWeightsKahan)) == 0, "qconf fused_step: invalid weights flags ", wflags, " of parameter ", i);
     TORCH_CHECK(wflags == 0 || t.pdtype != kF32, "qconf fused_step: parameter ", i,
                 " is float32; stochastic rounding / Kahan compensation apply to bfloat16 and float16 parameters");
-    t.w_stochastic = static_cast<int32_t>(wflags & 1);
-    t.w_kahan = static_cast<int32_t>((wflags >> 1) & 1);
+    t.w_stochastic = (wflags & kWeightsStochastic) != 0;
+    t.w_kahan = (wflags & kWeightsKahan) != 0;
     t.pkey = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step_value),
-                        static_cast<uint64_t>(m[kColIndex]), 2);
+                        static_cast<uint64_t>(m[kMetaIndex]), 2);
     int64_t base_unit = 64;  // the Kahan buffer's blocks always stay within one tile (single pass)
     {
-      const int64_t* cm = m + kColComp;
+      const int64_t* cm = m + kMetaComp;
       StateDesc& cs = t.comp;
-      cs.kind = static_cast<int32_t>(cm[0]);
-      const at::Tensor& a = states[i * kStateSlots + 6];
-      const at::Tensor& b = states[i * kStateSlots + 7];
+      cs.kind = static_cast<int32_t>(cm[kStateColKind]);
+      const at::Tensor& a = states[i * kSlotLen + kSlotComp];
+      const at::Tensor& b = states[i * kSlotLen + kSlotCompScales];
       TORCH_CHECK(t.w_kahan ? (cs.kind == kParamDtype || cs.kind == kQuant) : cs.kind == kNone,
                   "qconf fused_step: the Kahan buffer of parameter ", i, " does not match its weights flags");
       if (cs.kind == kParamDtype) {
@@ -276,7 +276,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
         check_state_device(a, i);
         check_state_device(b, i);
         cs.key = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step_value),
-                            static_cast<uint64_t>(m[kColIndex]), 3);
+                            static_cast<uint64_t>(m[kMetaIndex]), 3);
         base_unit = lcm64(base_unit, cs.codec.block);
         unit = lcm64(unit, cs.codec.block);
       }
@@ -308,8 +308,8 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     if (t.factored) {
       TORCH_CHECK(rule == kRuleAdam && t.ndim >= 2 && t.st[1].kind == kNone,
                   "qconf fused_step: a factored second moment needs Adam, ndim >= 2 and no dense exp_avg_sq");
-      const at::Tensor& row = states[i * kStateSlots + 4];
-      const at::Tensor& col = states[i * kStateSlots + 5];
+      const at::Tensor& row = states[i * kSlotLen + kSlotRow];
+      const at::Tensor& col = states[i * kSlotLen + kSlotCol];
       t.cols = t.shape[t.ndim - 1];
       t.rows = t.numel / std::max<int64_t>(t.cols, 1);
       const int64_t R = t.shape[t.ndim - 2];
