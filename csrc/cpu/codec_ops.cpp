@@ -12,6 +12,7 @@
 #include "qconf/isa.h"
 #include "qconf/parallel.h"
 #include "qconf/step_driver.h"
+#include "qconf/step_host.h"
 #include "qconf/step_types.h"
 
 namespace qconf {
@@ -46,6 +47,8 @@ void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Te
   st.num_scales = codec[kEncodeNumScales];
   TORCH_CHECK(codec_valid(c, t.ndim),
               "qconf encode/decode: invalid codec description");
+  TORCH_CHECK(st.num_scales == host::num_scales_of(c, t), "qconf encode/decode: the codec description says ",
+              st.num_scales, " scales, its scale layout has ", host::num_scales_of(c, t));
   point_tables(c, table.data_ptr<float>());
   st.kind = kQuant;
   // a block kept inside one tile is finished in one pass; everything else takes the two-pass route
