@@ -119,7 +119,6 @@ void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList param
   StepContext ctx;
   ctx.rule = static_cast<int32_t>(rule);
   ctx.tensors = descs.data();
-  ctx.num_tensors = static_cast<int32_t>(T);
   ctx.max_tile = static_cast<int32_t>(max_tile);
   const RunItemsFn fn = isa_function();
 

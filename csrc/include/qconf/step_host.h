@@ -141,7 +141,6 @@ struct CallDescs {
   std::vector<TensorDesc> descs;
   std::vector<at::Tensor> grad_storage;  // contiguous views (a copy only for strided gradients)
   int64_t max_tile = 64;
-  bool any_two_pass = false;
   bool any_factored = false;
 };
 
@@ -163,7 +162,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
   descs.assign(T, TensorDesc{});
   grad_storage.assign(T, at::Tensor());
   int64_t max_tile = 64;
-  bool any_two_pass = false, any_factored = false;
+  bool any_factored = false;
   auto check_state_device = [&](const at::Tensor& s, int64_t i) {
     TORCH_CHECK(s.device() == device, "qconf fused_step (", where, "): a state of parameter ", i, " is not on the ",
                 device_name);
@@ -304,7 +303,6 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
       t.tile = ((kTileTarget + unit - 1) / unit) * unit;
     }
     t.two_pass = (t.st[0].kind == kQuant && t.st[0].two_pass) || (t.st[1].kind == kQuant && t.st[1].two_pass);
-    any_two_pass |= t.two_pass != 0;
     if (t.factored) {
       TORCH_CHECK(rule == kRuleAdam && t.ndim >= 2 && t.st[1].kind == kNone,
                   "qconf fused_step: a factored second moment needs Adam, ndim >= 2 and no dense exp_avg_sq");
@@ -327,7 +325,6 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     max_tile = std::max(max_tile, t.tile);
   }
   out.max_tile = max_tile;
-  out.any_two_pass = any_two_pass;
   out.any_factored = any_factored;
 }
 

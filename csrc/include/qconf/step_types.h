@@ -162,7 +162,6 @@ enum Phase : int32_t {
 struct StepContext {
   int32_t rule = kRuleAdam;
   TensorDesc* tensors = nullptr;
-  int32_t num_tensors = 0;
   int32_t max_tile = 0;
 };
 
