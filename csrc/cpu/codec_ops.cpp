@@ -108,12 +108,8 @@ std::tuple<at::Tensor, at::Tensor> encode_cpu(const at::Tensor& x, const at::Ten
     st.partial = partial.data();
     st.new_recip = recip.data();
     run(fn, job, items, kCodecReduce);
-    for (int64_t j = 0; j < st.num_scales; ++j) {
-      uint32_t mx = 0;
-      for (int th = 0; th < nthreads; ++th) mx = std::max(mx, partial[th * st.num_scales + j]);
-      st.scales[j] = scale_from_absmax_bits(mx);
-      recip[j] = 1.0f / st.scales[j];
-    }
+    for (int64_t j = 0; j < st.num_scales; ++j)
+      finalize_scale(partial.data(), st.num_scales, nthreads, j, recip.data(), st.scales);
   }
   run(fn, job, items, kCodecQuantize);
   return {codes, scales};
