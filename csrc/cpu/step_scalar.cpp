@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "qconf/element.h"
+#include "qconf/scale_walk.h"
 #include "qconf/step_types.h"
 
 // (no `#pragma GCC target` and no QCONF_ISA_*: simd.h's portable Isa)

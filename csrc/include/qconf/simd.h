@@ -111,10 +111,11 @@ struct Isa {
     return _mm512_mask_blend_ps(b7, x0, x1);
   }
   // Lookups of kGroup index vectors at once in a 256-entry fp32 table held as planes of its
-  // bytes (CodecDesc::*_bytes, *_words; built by qconf/ops/step.py): a permute looks up 64 byte lanes
-  // (VBMI, 128-entry tables, 4 vectors) or 32 word lanes (BW, 64-entry tables, 2 vectors), so a
-  // vector costs ~6 (VBMI) or ~10 (BW) operations against 18 for lookup256. Both take the
-  // indices packed so that unpacking the planes (per 128-bit lane L) gives each vector in order.
+  // bytes (CodecDesc::*_bytes, *_words; qconf/codec/native.py:codec_table): a permute looks up
+  // 64 byte lanes (VBMI, 128-entry tables, 4 vectors) or 32 word lanes (BW, 64-entry tables, 2
+  // vectors), so a vector costs ~6 (VBMI) or ~10 (BW) operations against 18 for lookup256. Both
+  // take the indices packed so that unpacking the planes (per 128-bit lane L) gives each vector
+  // in order.
 #if defined(QCONF_ISA_VBMI)
   static constexpr int kGroup = 4;
   struct T256P {
