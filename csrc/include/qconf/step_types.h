@@ -1,8 +1,9 @@
-// Plain descriptors of one fused optimizer step, filled by the driver (csrc/cpu/step.cpp) and read
-// by the per-ISA tile kernels (csrc/include/qconf/step_cpu.h) and the CUDA kernels.
+// Plain descriptors of one fused optimizer step, filled by the host drivers (qconf/step_host.h)
+// and read by the per-ISA tile kernels (csrc/include/qconf/step_pipeline.h) and the CUDA kernels.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "qconf/element.h"
 #include "qconf/layout.h"
@@ -18,6 +19,8 @@ struct CodecDesc {
   int32_t stochastic = 0;
   int64_t block = 0;           // kBlock
   int64_t d1 = 0, inner = 0;   // kDim1
+  // the codec's [kTableRows, kTableSize] table that the pointers below point into (point_tables)
+  const float* base = nullptr;
   const float* qmap = nullptr;     // kTableSize entries: the map (codes < levels)
   const float* mids = nullptr;     // kTableSize entries: levels-1 midpoints, then +inf
   const float* qsearch = nullptr;  // kTableSize entries: the map, then +inf
@@ -56,6 +59,7 @@ struct CodecDesc {
 inline void point_tables(CodecDesc& c, const float* base) {
   const auto row = [base](int r) { return base + r * kTableSize; };
   const auto planes = [&row](int r) { return reinterpret_cast<const uint8_t*>(row(r)); };
+  c.base = base;
   c.qmap = row(kRowQmap);
   c.mids = row(kRowMids);
   c.qsearch = row(kRowQsearch);
@@ -79,6 +83,12 @@ inline void point_tables(CodecDesc& c, const float* base) {
   c.mids_words = planes(kRowMidsWords);
   c.qmap_bytes = planes(kRowQmapBytes);
   c.mids_bytes = planes(kRowMidsBytes);
+}
+
+// Re-points every table pointer of a codec described against the tables at `old_base` at the
+// same table in a copy of those tables at `new_base` (the CUDA driver's device copy).
+inline void rebase_tables(CodecDesc& c, const float* old_base, const float* new_base) {
+  point_tables(c, new_base + (c.base - old_base));
 }
 
 // A codec's layout from its kCodecLen int64 fields (layout.h kCodec*), as the `meta` columns of a
@@ -143,6 +153,12 @@ struct TensorDesc {
   int64_t rows = 0, cols = 0;    // factored view: rows = prod(shape[:-1]), cols = shape[-1]
   int64_t rows_per_chunk = 0;    // fixed row chunking of pass 1 (independent of thread count)
 };
+
+// rebase_tables of every quantized state of a tensor: its two states and the Kahan buffer.
+inline void rebase_tables(TensorDesc& t, const float* old_base, const float* new_base) {
+  for (StateDesc* st : {&t.st[0], &t.st[1], &t.comp})
+    if (st->kind == kQuant) rebase_tables(st->codec, old_base, new_base);
+}
 
 // A unit of parallel work: elements [start, start + len) of one tensor, or (pass 1 of a factored
 // tensor) rows chunk `start`.
