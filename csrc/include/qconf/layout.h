@@ -117,6 +117,8 @@ constexpr int kRowMidsBytes = 11;   // kRowMids as byte planes
 constexpr int kCoarse16Mids = 0;
 constexpr int kCoarse16Qsearch = 16;
 constexpr int kCoarse16Grid = 32;
+constexpr int kGridL = 0;  // the grid (L, c): midpoints (k + c) / L, or L = 0 (no grid)
+constexpr int kGridC = 1;
 constexpr int kCoarse16Shifted = 64;
 constexpr int kShifted16Len = 32;  // one table shifted by 3, then by 1
 // inside kRowCoarse32: mids[8k + 7], qsearch[8k + 7] (32 each), then from kCoarse32Shifted both

@@ -449,7 +449,7 @@ inline __attribute__((always_inline)) void quantize_states(const TensorDesc& t, 
     const StateDesc& st = t.st[k];
     if (st.kind != kQuant) continue;
     const bool sr = st.codec.stochastic != 0;
-    const bool grid = !sr && st.codec.grid[0] != 0.0f;
+    const bool grid = !sr && st.codec.grid[kGridL] != 0.0f;
     const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[kLinesForm]);
     if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k], b.next)
                       : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, b.s[k], b.sc[k], b.next)
