@@ -6,6 +6,8 @@
 //   StepPlan     the same step with the per-parameter tensors kept on the C++ side, so an eager
 //                step only passes the gradients (per-tensor argument overhead matters at 1000s
 //                of small parameters)
+//   layout       the positions and codes of the ops' arguments (qconf/layout.h), which Python
+//                reads instead of repeating them
 #include <Python.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "qconf/isa.h"
+#include "qconf/layout.h"
 #include "qconf/step_driver.h"
 #include "qconf/step_host.h"
 
@@ -21,6 +24,12 @@ namespace {
 
 std::string cpu_isa() { return qconf::isa_name(qconf::selected_isa()); }
 std::string cpu_isa_best() { return qconf::isa_name(qconf::detect_isa()); }
+
+c10::Dict<std::string, int64_t> layout() {
+  c10::Dict<std::string, int64_t> out;
+  for (const qconf::LayoutEntry& e : qconf::kLayout) out.insert(e.name, e.value);
+  return out;
+}
 
 struct StepPlan : torch::CustomClassHolder {
   int64_t rule;
@@ -62,6 +71,7 @@ struct StepPlan : torch::CustomClassHolder {
 TORCH_LIBRARY(qconf, m) {
   m.def("cpu_isa() -> str", &cpu_isa);
   m.def("cpu_isa_best() -> str", &cpu_isa_best);
+  m.def("layout() -> Dict(str, int)", &layout);
   m.def("fused_step(int rule, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] steps, Tensor(c!)[] states, "
         "Tensor meta, Tensor tables, float[] hyper, int seed) -> ()");
   m.class_<StepPlan>("StepPlan")

@@ -12,13 +12,12 @@
 #include "qconf/isa.h"
 #include "qconf/parallel.h"
 #include "qconf/step_driver.h"
+#include "qconf/step_host.h"
 #include "qconf/step_types.h"
 
 namespace qconf {
 namespace {
 
-// codec: bits, levels, scale_kind, block, d1, inner, stochastic, num_scales
-constexpr size_t kCodecInts = 8;
 constexpr int64_t kTile = 2048, kMaxUnit = 16384;
 
 RunCodecFn codec_function() {
@@ -31,7 +30,9 @@ RunCodecFn codec_function() {
 }
 
 void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Tensor& table, c10::IntArrayRef codec) {
-  TORCH_CHECK(codec.size() == kCodecInts, "qconf encode/decode: codec description must have ", kCodecInts, " ints");
+  // the codec ints (layout.h kCodec*), then the number of stored scales
+  TORCH_CHECK(codec.size() == static_cast<size_t>(kEncodeLen), "qconf encode/decode: codec description must have ",
+              kEncodeLen, " ints");
   TORCH_CHECK(static_cast<int64_t>(shape.size()) <= kMaxDims, "qconf encode/decode: at most ", kMaxDims, " dims");
   TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == kTableRows * kTableSize,
               "qconf encode/decode: table must be a contiguous float32 tensor of ", kTableRows, "x", kTableSize);
@@ -43,9 +44,11 @@ void describe(TensorDesc& t, StateDesc& st, c10::IntArrayRef shape, const at::Te
   }
   CodecDesc& c = st.codec;
   read_codec(c, codec.data());
-  st.num_scales = codec[7];
+  st.num_scales = codec[kEncodeNumScales];
   TORCH_CHECK(codec_valid(c, t.ndim),
               "qconf encode/decode: invalid codec description");
+  TORCH_CHECK(st.num_scales == host::num_scales_of(c, t), "qconf encode/decode: the codec description says ",
+              st.num_scales, " scales, its scale layout has ", host::num_scales_of(c, t));
   point_tables(c, table.data_ptr<float>());
   st.kind = kQuant;
   // a block kept inside one tile is finished in one pass; everything else takes the two-pass route
@@ -105,12 +108,8 @@ std::tuple<at::Tensor, at::Tensor> encode_cpu(const at::Tensor& x, const at::Ten
     st.partial = partial.data();
     st.new_recip = recip.data();
     run(fn, job, items, kCodecReduce);
-    for (int64_t j = 0; j < st.num_scales; ++j) {
-      uint32_t mx = 0;
-      for (int th = 0; th < nthreads; ++th) mx = std::max(mx, partial[th * st.num_scales + j]);
-      st.scales[j] = scale_from_absmax_bits(mx);
-      recip[j] = 1.0f / st.scales[j];
-    }
+    for (int64_t j = 0; j < st.num_scales; ++j)
+      finalize_scale(partial.data(), st.num_scales, nthreads, j, recip.data(), st.scales);
   }
   run(fn, job, items, kCodecQuantize);
   return {codes, scales};

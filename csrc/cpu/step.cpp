@@ -12,11 +12,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstring>
-#include <numeric>
 #include <vector>
 
+#include "qconf/factored.h"
 #include "qconf/isa.h"
 #include "qconf/parallel.h"
 #include "qconf/step_host.h"
@@ -28,6 +28,13 @@ namespace {
 // tile sizes, Scalars, codec parsing: shared with the CUDA driver (qconf/step_host.h)
 using host::kFactorChunks;
 constexpr int64_t kCacheBatchBytes = 8 << 20;  // gradient bytes of two-pass tensors per batch
+
+// The work items of tensor i: its tiles.
+void append_tiles(const std::vector<TensorDesc>& descs, int64_t i, std::vector<WorkItem>& out) {
+  const TensorDesc& t = descs[i];
+  for (int64_t s = 0; s < t.numel; s += t.tile)
+    out.push_back({static_cast<int32_t>(i), s, std::min(t.tile, t.numel - s)});
+}
 
 RunItemsFn isa_function() {
   switch (selected_isa()) {
@@ -43,6 +50,96 @@ void run_phase(RunItemsFn fn, const StepContext& ctx, const std::vector<WorkItem
   parallel_chunks(static_cast<int64_t>(items.size()), [&](int64_t begin, int64_t end, int32_t tid) {
     fn(ctx, items.data(), begin, end, phase, tid);
   });
+}
+
+// Row chunks of a factored tensor's factor pass (fixed: the sums do not depend on the threads).
+int64_t factor_chunks(const TensorDesc& t) { return (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk; }
+
+// Floats of factored scratch: row sums, row factors, per row chunk column sums [batch][C].
+int64_t factored_scratch(const TensorDesc& t) {
+  return 2 * t.rows + factor_chunks(t) * (t.rows / t.shape[t.ndim - 2]) * t.cols;
+}
+
+// Scratch of the call: two-pass partial maxima (per thread) and new reciprocals + scales;
+// factored sums. Sized first, then carved out of two flat buffers that a StepPlan keeps between
+// steps.
+void assign_scratch(CpuWorkspace& ws, std::vector<TensorDesc>& descs, int nthreads) {
+  size_t need_f = 0, need_u = 0;
+  for (auto& t : descs) {
+    if (t.numel == 0) continue;
+    for (auto& st : t.st) {
+      if (st.kind != kQuant || !st.two_pass) continue;
+      need_u += static_cast<size_t>(nthreads) * st.num_scales;
+      need_f += static_cast<size_t>(2 * st.num_scales);
+    }
+    if (t.factored) {
+      t.rows_per_chunk = (t.rows + kFactorChunks - 1) / kFactorChunks;
+      need_f += static_cast<size_t>(factored_scratch(t));
+    }
+  }
+  ws.scratch_f.assign(need_f, 0.0f);
+  ws.scratch_u.assign(need_u, 0u);
+  float* next_f = ws.scratch_f.data();
+  uint32_t* next_u = ws.scratch_u.data();
+  for (auto& t : descs) {
+    if (t.numel == 0) continue;
+    for (auto& st : t.st) {
+      if (st.kind != kQuant || !st.two_pass) continue;
+      st.partial = next_u;
+      next_u += static_cast<size_t>(nthreads) * st.num_scales;
+      st.new_recip = next_f;  // reciprocals, then scales
+      next_f += 2 * st.num_scales;
+    }
+    if (t.factored) {
+      t.row_sum = next_f;
+      t.row_factor = t.row_sum + t.rows;
+      t.col_partial = t.row_factor + t.rows;
+      next_f += factored_scratch(t);
+    }
+  }
+}
+
+// Factored second moments: the row / column sums of g^2 (in parallel over fixed row chunks),
+// then the statistics update and the row factors in a fixed order (qconf/factored.h).
+void run_factor_pass(RunItemsFn fn, const StepContext& ctx, CpuWorkspace& ws, std::vector<TensorDesc>& descs) {
+  std::vector<WorkItem>& items = ws.factor_items;
+  items.clear();
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const TensorDesc& t = descs[i];
+    if (!t.factored || t.numel == 0) continue;
+    for (int64_t c = 0; c * t.rows_per_chunk < t.rows; ++c) items.push_back({static_cast<int32_t>(i), c, 0});
+  }
+  run_phase(fn, ctx, items, kPassFactor);
+  for (auto& t : descs) {
+    if (!t.factored || t.numel == 0) continue;
+    const int64_t R = t.shape[t.ndim - 2], batches = t.rows / R, chunks = factor_chunks(t);
+    for (int64_t r = 0; r < t.rows; ++r) factored_update_row(t, r);
+    for (int64_t bc = 0; bc < batches * t.cols; ++bc) factored_update_col(t, bc, R, batches, chunks);
+    for (int64_t b = 0; b < batches; ++b) factored_row_factors(t, b, R);
+  }
+}
+
+// Two-pass states of the tensors `batch`: the reduce pass, the new scales and reciprocals from
+// the threads' partial maxima, the apply pass, then the new scales replace the old ones (which
+// were needed until every tile was dequantized).
+void run_two_pass(RunItemsFn fn, const StepContext& ctx, CpuWorkspace& ws, std::vector<TensorDesc>& descs,
+                  int nthreads) {
+  std::vector<WorkItem>& items = ws.batch_items;
+  items.clear();
+  for (int64_t i : ws.batch) append_tiles(descs, i, items);
+  run_phase(fn, ctx, items, kPassReduce);
+  for (int64_t i : ws.batch)
+    for (auto& st : descs[i].st) {
+      if (st.kind != kQuant || !st.two_pass) continue;
+      for (int64_t j = 0; j < st.num_scales; ++j)
+        finalize_scale(st.partial, st.num_scales, nthreads, j, st.new_recip, st.new_recip + st.num_scales);
+    }
+  run_phase(fn, ctx, items, kPassApply);
+  for (int64_t i : ws.batch)
+    for (auto& st : descs[i].st)
+      if (st.kind == kQuant && st.two_pass)
+        std::memcpy(st.scales, st.new_recip + st.num_scales, sizeof(float) * st.num_scales);
+  ws.batch.clear();
 }
 
 }  // namespace
@@ -75,136 +172,36 @@ void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList param
                          seed, at::Device(at::kCPU), "CPU", call);
   std::vector<TensorDesc>& descs = call.descs;
   const int nthreads = at::get_num_threads();
-  int64_t max_tile = call.max_tile;
-  bool any_factored = call.any_factored;
-
-  // scratch: two-pass partial maxima and new reciprocals + scales; factored sums. Sized first,
-  // then carved out of two flat buffers that a StepPlan keeps between steps.
-  size_t need_f = 0, need_u = 0;
-  for (auto& t : descs) {
-    if (t.numel == 0) continue;
-    for (auto& st : t.st) {
-      if (st.kind != kQuant || !st.two_pass) continue;
-      need_u += static_cast<size_t>(nthreads) * st.num_scales;
-      need_f += static_cast<size_t>(2 * st.num_scales);
-    }
-    if (t.factored) {
-      t.rows_per_chunk = (t.rows + kFactorChunks - 1) / kFactorChunks;
-      const int64_t chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
-      need_f += static_cast<size_t>(2 * t.rows + chunks * (t.rows / t.shape[t.ndim - 2]) * t.cols);
-    }
-  }
-  ws.scratch_f.assign(need_f, 0.0f);
-  ws.scratch_u.assign(need_u, 0u);
-  float* next_f = ws.scratch_f.data();
-  uint32_t* next_u = ws.scratch_u.data();
-  for (auto& t : descs) {
-    if (t.numel == 0) continue;
-    for (auto& st : t.st) {
-      if (st.kind != kQuant || !st.two_pass) continue;
-      st.partial = next_u;
-      next_u += static_cast<size_t>(nthreads) * st.num_scales;
-      st.new_recip = next_f;  // reciprocals, then scales
-      next_f += 2 * st.num_scales;
-    }
-    if (t.factored) {
-      const int64_t chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
-      t.row_sum = next_f;
-      t.row_factor = t.row_sum + t.rows;
-      t.col_partial = t.row_factor + t.rows;
-      next_f += 2 * t.rows + chunks * (t.rows / t.shape[t.ndim - 2]) * t.cols;
-    }
-  }
+  assign_scratch(ws, descs, nthreads);
 
   StepContext ctx;
   ctx.rule = static_cast<int32_t>(rule);
   ctx.tensors = descs.data();
-  ctx.num_tensors = static_cast<int32_t>(T);
-  ctx.max_tile = static_cast<int32_t>(max_tile);
+  ctx.max_tile = static_cast<int32_t>(call.max_tile);
   const RunItemsFn fn = isa_function();
+  if (call.any_factored) run_factor_pass(fn, ctx, ws, descs);
 
-  if (any_factored) {
-    std::vector<WorkItem>& items = ws.factor_items;
-    items.clear();
-    for (int64_t i = 0; i < T; ++i) {
-      const TensorDesc& t = descs[i];
-      if (!t.factored || t.numel == 0) continue;
-      for (int64_t c = 0; c * t.rows_per_chunk < t.rows; ++c) items.push_back({static_cast<int32_t>(i), c, 0});
-    }
-    run_phase(fn, ctx, items, kPassFactor);
-    for (auto& t : descs) {  // statistics update, in fixed order (same as the reference formulas)
-      if (!t.factored || t.numel == 0) continue;
-      const Scalars& h = t.h;
-      const int64_t R = t.shape[t.ndim - 2], C = t.cols, batches = t.rows / R;
-      const int64_t chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
-      const float fC = static_cast<float>(C), fR = static_cast<float>(R);
-      for (int64_t r = 0; r < t.rows; ++r) t.row[r] = t.row[r] * h.b2 + (t.row_sum[r] / fC) * h.omb2;
-      for (int64_t bc = 0; bc < batches * C; ++bc) {
-        float s = 0.0f;
-        for (int64_t c = 0; c < chunks; ++c) s = s + t.col_partial[c * batches * C + bc];
-        t.col[bc] = t.col[bc] * h.b2 + (s / fR) * h.omb2;
-      }
-      for (int64_t b = 0; b < batches; ++b) {
-        float s = 0.0f;
-        for (int64_t r = 0; r < R; ++r) s = s + t.row[b * R + r];
-        const float mean = s / fR;
-        for (int64_t r = 0; r < R; ++r)
-          t.row_factor[b * R + r] = mean > 0.0f ? t.row[b * R + r] / mean : 0.0f;
-      }
-    }
-  }
-
-  auto tiles = [&](int64_t i, std::vector<WorkItem>& out) {
-    const TensorDesc& t = descs[i];
-    for (int64_t s = 0; s < t.numel; s += t.tile)
-      out.push_back({static_cast<int32_t>(i), s, std::min(t.tile, t.numel - s)});
-  };
   // Two-pass tensors go in batches whose gradients fit the last-level cache, so pass 2 re-reads
   // them from cache instead of memory; single-pass tensors all run in one final apply phase.
-  std::vector<WorkItem>& single_items = ws.single_items;
-  std::vector<WorkItem>& batch_items = ws.batch_items;
-  std::vector<int64_t>& batch = ws.batch;
-  single_items.clear();
-  batch.clear();
+  ws.single_items.clear();
+  ws.batch.clear();
   int64_t batch_bytes = 0;
-  auto flush = [&]() {
-    if (batch.empty()) return;
-    batch_items.clear();
-    for (int64_t i : batch) tiles(i, batch_items);
-    run_phase(fn, ctx, batch_items, kPassReduce);
-    for (int64_t i : batch) {
-      for (auto& st : descs[i].st) {
-        if (st.kind != kQuant || !st.two_pass) continue;
-        for (int64_t j = 0; j < st.num_scales; ++j) {
-          uint32_t mx = 0;
-          for (int th = 0; th < nthreads; ++th) mx = std::max(mx, st.partial[th * st.num_scales + j]);
-          const float sc = scale_from_absmax_bits(mx);
-          st.new_recip[j] = 1.0f / sc;
-          st.new_recip[st.num_scales + j] = sc;
-        }
-      }
-    }
-    run_phase(fn, ctx, batch_items, kPassApply);
-    for (int64_t i : batch)  // the old scales were needed until every tile was dequantized
-      for (auto& st : descs[i].st)
-        if (st.kind == kQuant && st.two_pass)
-          std::memcpy(st.scales, st.new_recip + st.num_scales, sizeof(float) * st.num_scales);
-    batch.clear();
-    batch_bytes = 0;
-  };
   for (int64_t i = 0; i < T; ++i) {
     const TensorDesc& t = descs[i];
     if (t.numel == 0) continue;
     if (!t.two_pass) {
-      tiles(i, single_items);
+      append_tiles(descs, i, ws.single_items);
       continue;
     }
-    batch.push_back(i);
+    ws.batch.push_back(i);
     batch_bytes += t.numel * (t.gdtype == kF32 ? 4 : 2);
-    if (batch_bytes >= kCacheBatchBytes) flush();
+    if (batch_bytes >= kCacheBatchBytes) {
+      run_two_pass(fn, ctx, ws, descs, nthreads);
+      batch_bytes = 0;
+    }
   }
-  flush();
-  run_phase(fn, ctx, single_items, kPassApply);
+  if (!ws.batch.empty()) run_two_pass(fn, ctx, ws, descs, nthreads);
+  run_phase(fn, ctx, ws.single_items, kPassApply);
 }
 
 }  // namespace qconf

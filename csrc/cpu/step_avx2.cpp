@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "qconf/element.h"
+#include "qconf/scale_walk.h"
 #include "qconf/step_types.h"
 
 #if defined(__x86_64__) || defined(_M_X64)  // elsewhere every build is the portable one

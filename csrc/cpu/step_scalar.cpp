@@ -6,13 +6,10 @@
 #include <cstdint>
 
 #include "qconf/element.h"
+#include "qconf/scale_walk.h"
 #include "qconf/step_types.h"
 
-#if defined(__x86_64__) || defined(_M_X64)  // elsewhere every build is the portable one
-
-#define QCONF_ISA_SCALAR
-#endif
-
+// (no `#pragma GCC target` and no QCONF_ISA_*: simd.h's portable Isa)
 namespace qconf {
 namespace isa_scalar {
 #include "qconf/simd.h"

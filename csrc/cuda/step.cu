@@ -2,30 +2,31 @@
 // driver (csrc/cpu/step.cpp), run as a few multi-tensor launches on the current stream.
 //
 // Host: the arguments are checked and described by the shared code in qconf/step_host.h (one copy
-// of the Scalars, RNG keys, codec descriptions and single/two-pass decisions for both drivers).
-// The descriptors, the chunk table and the codec tables are packed into one pinned buffer and
-// copied to the device once per call; scratch (absmax partials, new reciprocals and scales,
-// factored sums) is one device allocation.
+// of the Scalars, RNG keys, codec descriptions and single/two-pass decisions for both drivers),
+// then planned by qconf/cuda_plan.h (chunks, shared slots, work items, scratch layout, the buffer
+// of descriptors, work items and tables); this file only allocates, copies and launches. The
+// buffer goes to the device in one copy from pinned memory; scratch (absmax partials, new
+// reciprocals and scales, factored sums) is one device allocation.
 //
-// Device: a chunk table covers the elements of every tensor of the call; one thread block per
-// chunk, one octet (8 consecutive elements, i.e. `bits` whole bytes of packed codes) per thread
-// and iteration. Chunks start at multiples of 8 and of every single-pass group block, so a group
-// and a code byte never straddle two blocks. Passes, each one launch over all tensors:
+// Device: one thread block per chunk, one octet (8 consecutive elements, i.e. `bits` whole bytes
+// of packed codes) per thread and iteration. Passes, each one launch over all tensors:
 //
 //   factor   (factored second moments) row sums of g_eff^2 (16 strided lanes + tree, the CPU's
 //            association), column sums per fixed row chunk, then the statistics update and the
-//            row factors in the CPU's order -- results bit-identical to the CPU driver
+//            row factors of qconf/factored.h -- results bit-identical to the CPU driver
 //   reduce   (two-pass states: tensor/dim1/rank1 scales, huge blocks) new state values -> abs
 //            bits -> atomicMax into shared-memory slots per scale index, flushed with atomicMax
 //            into a per-state device array; a small kernel turns them into scales/reciprocals
+//            (finalize_scale, element.h)
 //   apply    dequantize -> rule -> new group absmax (shared-memory atomicMax over abs bits, one
 //            slot per group of the chunk) -> quantize -> pack -> store; new scales of the
 //            single-pass groups are written by their block, those of two-pass states by a final
 //            copy kernel (the old scales are read until every chunk is dequantized)
 //
 // Every element operation is a call into qconf/element.h (the rules, quantize_*, normalize,
-// conversions, RNG, abs_bits / scale_from_absmax_bits, fmin_nan / fmax_nan): the same code the
-// CPU scalar path runs. Compiled with --fmad=false: no contraction, every op rounded as written.
+// conversions, RNG, abs_bits / scale_from_absmax_bits, fmin_nan / fmax_nan), and the per-element
+// scales come from the CPU's scale-layout walker (qconf/scale_walk.h): the same code the CPU
+// scalar path runs. Compiled with --fmad=false: no contraction, every op rounded as written.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,7 +39,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "qconf/cuda_plan.h"
 #include "qconf/element.h"
+#include "qconf/factored.h"
+#include "qconf/scale_walk.h"
 #include "qconf/step_driver.h"
 #include "qconf/step_host.h"
 #include "qconf/step_types.h"
@@ -46,64 +50,10 @@
 namespace qconf {
 namespace {
 
-constexpr int kThreads = 256;           // threads per block of every kernel
-constexpr int64_t kChunkTarget = 2048;  // elements per block: one octet per thread
-constexpr int kSlotBudget = 8192;       // shared absmax slots per block (32 KB)
-constexpr int kFactorRowsPerBlock = kThreads / 16;  // one half-warp per row
-
-// ---------------------------------------------------------------------------------------------
-// descriptors (host-built, read by the kernels)
-
-// Scale index of element e for one term: (e / div) % mod + off. A block/dim1 layout has one term;
-// rank1 one per dimension (leading dims first, the last dim last).
-struct Term {
-  int64_t div = 1, mod = 1, off = 0;
-  int32_t slot = -1;  // reduce pass: first shared slot of this term, -1 = atomics on the device array
-  int32_t pad = 0;
-};
-
-struct GpuState {
-  int32_t nterms = 0;
-  int32_t single = 0;      // quantized, single-pass on the GPU (kBlock, whole groups per chunk)
-  int32_t apply_slot = 0;  // apply pass: first shared slot of the groups (single-pass states)
-  int32_t load_reduce = 0; // the reduce pass needs this state (two-pass quantized)
-  Term term[kMaxDims];
-};
-
-struct GpuTensor {
-  TensorDesc d;
-  GpuState gs[2];
-  int32_t apply_slots = 0, reduce_slots = 0;  // shared slots used per block
-  int64_t R = 0, batches = 0, chunks = 0;     // factored: rows per batch, batches, row chunks
-};
-static_assert(std::is_trivially_copyable<GpuTensor>::value, "GpuTensor is copied as bytes");
-static_assert(sizeof(GpuTensor) % 4 == 0, "GpuTensor is copied as 32-bit words");
-
-struct FactorItem {  // rows / columns / statistics work of one factored tensor
-  int32_t tensor;
-  int32_t kind;  // stats kernel: 0 = rows, 1 = columns
-  int64_t a, b;  // rows kernel: first row; cols kernel: row chunk, first column; stats: first entry
-};
-
-struct CopyItem {
-  float* dst;
-  const float* src;
-  int64_t n;
-};
+using namespace gpu;  // the planner's descriptors and launch geometry (qconf/cuda_plan.h)
 
 // ---------------------------------------------------------------------------------------------
 // small device helpers (no element math here: indices, loads, stores, bit packing)
-
-__device__ __forceinline__ void divmod64(int64_t a, int64_t b, int64_t& q, int64_t& r) {
-  if ((static_cast<uint64_t>(a) | static_cast<uint64_t>(b)) < (1ull << 32)) {
-    const uint32_t qa = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
-    q = qa;
-    r = static_cast<int64_t>(static_cast<uint32_t>(a) - qa * static_cast<uint32_t>(b));
-  } else {
-    q = a / b;
-    r = a - q * b;
-  }
-}
 
 // Walks the scale index of one term along consecutive elements.
 struct TermWalk {
@@ -123,61 +73,26 @@ struct TermWalk {
   __device__ __forceinline__ int64_t index(const Term& t) const { return qm + t.off; }
 };
 
-// Per-element values of a state's scale layout for an octet: the stored value (block, dim1) or
-// the rank-1 combination in the CPU's order (leading dims from the last one down, then the last
-// dim), with fmin_nan for scales (kMin) or fmax_nan for reciprocals.
+// Per-element values of a state's scale layout for an octet at e0 (cnt elements): the stored
+// value (block, dim1) or the rank-1 combination, with fmin_nan for scales (kMin) or fmax_nan for
+// reciprocals, walked as the CPU walks them (qconf/scale_walk.h).
 template <bool kMin>
 __device__ __forceinline__ float combine(float a, float b) {
   return kMin ? fmin_nan(a, b) : fmax_nan(a, b);
 }
 
-// rank1: the combination of the leading dims' values for row r (elements r*C .. r*C + C-1)
 template <bool kMin>
-__device__ __forceinline__ float rank1_leading(const TensorDesc& t, const float* vals, int64_t r) {
-  const int nd = t.ndim;
-  int64_t off = 0;
-  for (int d = 0; d < nd - 1; ++d) off += t.shape[d];
-  int64_t rem = r;
-  float part = 0.0f;
-  for (int d = nd - 2; d >= 0; --d) {
-    off -= t.shape[d];
-    int64_t q, idx;
-    divmod64(rem, t.shape[d], q, idx);
-    rem = q;
-    const float v = vals[off + idx];
-    part = d == nd - 2 ? v : combine<kMin>(part, v);
-  }
-  return part;
-}
-
-template <bool kMin>
-__device__ __forceinline__ void layout_values(const TensorDesc& t, const GpuState& g, const float* vals, int64_t e0,
+__device__ __forceinline__ void layout_values(const TensorDesc& t, const CodecDesc& c, const float* vals, int64_t e0,
                                               int cnt, float out[8]) {
-  if (g.nterms == 1) {
-    const Term& tm = g.term[0];
-    TermWalk w;
-    w.begin(tm, e0);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (j < cnt) out[j] = vals[w.index(tm)];
-      w.next(tm);
-    }
-    return;
-  }
-  const int64_t C = t.shape[t.ndim - 1];
-  const float* last = vals + g.term[t.ndim - 1].off;
-  int64_t r, c;
-  divmod64(e0, C, r, c);
-  float part = rank1_leading<kMin>(t, vals, r);
+  ScaleRuns runs(c, t, vals, kMin, e0, cnt);
+  ScaleRun r;
+  runs.next(r);
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j < cnt) {
-      out[j] = combine<kMin>(part, last[c]);
-      if (++c == C && j + 1 < cnt) {
-        c = 0;
-        ++r;
-        part = rank1_leading<kMin>(t, vals, r);
-      }
+      if (j == r.off + r.len) runs.next(r);
+      const int64_t k = j - r.off;
+      out[j] = r.vec == nullptr ? r.value : (r.comb ? combine<kMin>(r.value, r.vec[k]) : r.vec[k]);
     }
   }
 }
@@ -378,7 +293,7 @@ __device__ __forceinline__ void compute_octet(const GpuTensor& T, const BlockSha
       const uint32_t mask = (1u << bits) - 1u;
       const uint64_t w = load_codes(st.codes, bits, e0, cnt);
       float sc[8];
-      layout_values<true>(t, T.gs[k], st.scales, e0, cnt, sc);
+      layout_values<true>(t, st.codec, st.scales, e0, cnt, sc);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t code = static_cast<uint32_t>(w >> (j * bits)) & mask;
@@ -501,7 +416,7 @@ __device__ __forceinline__ void quantize_octet(const GpuTensor& T, const BlockSh
       w.next(t);
     }
   } else {  // two-pass: the reciprocals of the new scales from the reduce pass
-    layout_values<false>(T.d, g, st.new_recip, e0, cnt, r);
+    layout_values<false>(T.d, c, st.new_recip, e0, cnt, r);
   }
   const int bits = c.bits;
   uint64_t word = 0;
@@ -657,11 +572,8 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const uint32_t* __re
                                                             float* __restrict__ recip, float* __restrict__ scale,
                                                             int64_t n) {
   for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < n;
-       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float sc = scale_from_absmax_bits(partial[j]);
-    recip[j] = qdiv(1.0f, sc);
-    scale[j] = sc;
-  }
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    finalize_scale(partial, n, 1, j, recip, scale);
 }
 
 __global__ void __launch_bounds__(kThreads) copy_kernel(const CopyItem* __restrict__ items) {
@@ -670,7 +582,8 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const CopyItem* __restri
 }
 
 // Factored second moment, pass 1a: sum of g_eff^2 per row, as the CPU: 16 lanes, lane k adds the
-// elements j = k (mod 16) in order, then a tree 8, 4, 2, 1.
+// elements j = k (mod 16) in order, then a tree 8, 4, 2, 1. (g_eff: Rule::effective_grad.)
+template <class Rule>
 __global__ void __launch_bounds__(kThreads) factor_rows_kernel(const GpuTensor* __restrict__ tensors,
                                                                const FactorItem* __restrict__ items) {
   const FactorItem it = items[blockIdx.x];
@@ -683,7 +596,7 @@ __global__ void __launch_bounds__(kThreads) factor_rows_kernel(const GpuTensor* 
   if (valid) {
     for (int64_t j = lane; j < t.cols; j += 16) {
       const int64_t e = r * t.cols + j;
-      const float ge = AdamRule::effective_grad(load_elem(t.param, t.pdtype, e), load_elem(t.grad, t.gdtype, e), h);
+      const float ge = Rule::effective_grad(load_elem(t.param, t.pdtype, e), load_elem(t.grad, t.gdtype, e), h);
       acc = acc + ge * ge;
     }
   }
@@ -692,6 +605,7 @@ __global__ void __launch_bounds__(kThreads) factor_rows_kernel(const GpuTensor* 
 }
 
 // Pass 1b: column sums of g_eff^2 within one fixed row chunk, rows in order, per batch.
+template <class Rule>
 __global__ void __launch_bounds__(kThreads) factor_cols_kernel(const GpuTensor* __restrict__ tensors,
                                                                const FactorItem* __restrict__ items) {
   const FactorItem it = items[blockIdx.x];
@@ -714,168 +628,103 @@ __global__ void __launch_bounds__(kThreads) factor_cols_kernel(const GpuTensor* 
       batch_end += G.R;
     }
     const int64_t e = r * t.cols + c;
-    const float ge = AdamRule::effective_grad(load_elem(t.param, t.pdtype, e), load_elem(t.grad, t.gdtype, e), h);
+    const float ge = Rule::effective_grad(load_elem(t.param, t.pdtype, e), load_elem(t.grad, t.gdtype, e), h);
     s = s + ge * ge;
   }
   if (r1 > r0) colp[batch * t.cols + c] = s;
 }
 
-// Statistics update, in the CPU driver's order: rows (kind 0) and columns (kind 1).
+// Statistics update (qconf/factored.h): rows (kind 0) and columns (kind 1).
 __global__ void __launch_bounds__(kThreads) factor_stats_kernel(const GpuTensor* __restrict__ tensors,
                                                                 const FactorItem* __restrict__ items) {
   const FactorItem it = items[blockIdx.x];
   const GpuTensor& G = tensors[it.tensor];
   const TensorDesc& t = G.d;
-  const Scalars& h = t.h;
   const int64_t j = it.a + threadIdx.x;
   if (it.kind == 0) {
-    if (j >= t.rows) return;
-    const float fC = static_cast<float>(t.cols);
-    t.row[j] = __fadd_rn(__fmul_rn(t.row[j], h.b2), __fmul_rn(qdiv(t.row_sum[j], fC), h.omb2));
+    if (j < t.rows) factored_update_row(t, j);
   } else {
-    const int64_t n = G.batches * t.cols;
-    if (j >= n) return;
-    const float fR = static_cast<float>(G.R);
-    float s = 0.0f;
-    for (int64_t c = 0; c < G.chunks; ++c) s = __fadd_rn(s, t.col_partial[c * n + j]);
-    t.col[j] = __fadd_rn(__fmul_rn(t.col[j], h.b2), __fmul_rn(qdiv(s, fR), h.omb2));
+    if (j < G.batches * t.cols) factored_update_col(t, j, G.R, G.batches, G.chunks);
   }
 }
 
-// Row factors r / mean(r) per batch (rows summed in order), 0 for an all-zero batch.
+// Row factors r / mean(r) per batch (qconf/factored.h).
 __global__ void __launch_bounds__(kThreads) factor_rowfactor_kernel(const GpuTensor* __restrict__ tensors,
                                                                     const FactorItem* __restrict__ items) {
   const FactorItem it = items[blockIdx.x];
   const GpuTensor& G = tensors[it.tensor];
-  const TensorDesc& t = G.d;
   const int64_t b = it.a + threadIdx.x;
-  if (b >= G.batches) return;
-  const float fR = static_cast<float>(G.R);
-  const float* row = t.row + b * G.R;
-  float s = 0.0f;
-  for (int64_t r = 0; r < G.R; ++r) s = __fadd_rn(s, row[r]);
-  const float mean = qdiv(s, fR);
-  for (int64_t r = 0; r < G.R; ++r) t.row_factor[b * G.R + r] = mean > 0.0f ? qdiv(row[r], mean) : 0.0f;
+  if (b < G.batches) factored_row_factors(G.d, b, G.R);
 }
 
 // ---------------------------------------------------------------------------------------------
 // host side
-
-// Scale-index terms of a quantized state (see Term).
-void make_terms(const TensorDesc& t, const StateDesc& st, GpuState& g) {
-  const CodecDesc& c = st.codec;
-  if (c.scale_kind == kBlock) {
-    g.nterms = 1;
-    g.term[0].div = c.block;
-    g.term[0].mod = std::max<int64_t>(st.num_scales, 1);
-    g.term[0].off = 0;
-  } else if (c.scale_kind == kDim1) {
-    g.nterms = 1;
-    g.term[0].div = c.inner;
-    g.term[0].mod = c.d1;
-    g.term[0].off = 0;
-  } else {
-    g.nterms = t.ndim;
-    int64_t off = 0;
-    for (int d = 0; d < t.ndim; ++d) {
-      int64_t div = 1;
-      for (int e = d + 1; e < t.ndim; ++e) div *= t.shape[e];
-      g.term[d].div = std::max<int64_t>(div, 1);
-      g.term[d].mod = std::max<int64_t>(t.shape[d], 1);
-      g.term[d].off = off;
-      off += t.shape[d];
-    }
-  }
-}
-
-// The GPU's chunk length of a tensor and its single-pass states: chunks hold whole groups of
-// every single-pass state and whole bytes of codes; a state whose groups would need more shared
-// slots per block than the budget is reduced in two passes instead (same results: the scale is
-// the absmax of the group either way).
-int64_t plan_tensor(GpuTensor& G) {
-  TensorDesc& t = G.d;
-  for (int k = 0; k < 2; ++k) {
-    StateDesc& st = t.st[k];
-    G.gs[k].single = st.kind == kQuant && !st.two_pass;
-    if (st.kind == kQuant) make_terms(t, st, G.gs[k]);
-  }
-  int64_t chunk = 8;
-  for (;;) {
-    int64_t unit = 8;
-    for (int k = 0; k < 2; ++k)
-      if (G.gs[k].single) unit = host::lcm64(unit, t.st[k].codec.block);
-    chunk = unit >= kChunkTarget ? unit : (kChunkTarget / unit) * unit;
-    if (chunk >= t.numel) chunk = t.numel;
-    int64_t slots[2] = {0, 0};
-    for (int k = 0; k < 2; ++k)
-      if (G.gs[k].single) slots[k] = (chunk + t.st[k].codec.block - 1) / t.st[k].codec.block;
-    if (slots[0] + slots[1] <= kSlotBudget) {
-      G.gs[0].apply_slot = 0;
-      G.gs[1].apply_slot = static_cast<int32_t>(slots[0]);
-      G.apply_slots = static_cast<int32_t>(slots[0] + slots[1]);
-      break;
-    }
-    const int worst = slots[0] >= slots[1] ? 0 : 1;
-    G.gs[worst].single = 0;
-    t.st[worst].two_pass = 1;
-  }
-  t.two_pass = 0;
-  int32_t used = 0;
-  for (int k = 0; k < 2; ++k) {
-    GpuState& g = G.gs[k];
-    g.load_reduce = t.st[k].kind == kQuant && !g.single;
-    t.st[k].two_pass = g.load_reduce;
-    if (!g.load_reduce) continue;
-    t.two_pass = 1;
-    for (int d = 0; d < g.nterms; ++d) {  // shared slots per term while the budget lasts
-      Term& term = g.term[d];
-      const int64_t need = std::min<int64_t>(term.mod, (chunk - 1) / term.div + 2);
-      if (used + need <= kSlotBudget) {
-        term.slot = used;
-        used += static_cast<int32_t>(need);
-      } else {
-        term.slot = -1;
-      }
-    }
-  }
-  G.reduce_slots = used;
-  return chunk;
-}
-
-template <class T>
-size_t append_bytes(std::vector<uint8_t>& buf, const std::vector<T>& v) {
-  const size_t off = (buf.size() + 15) / 16 * 16;
-  buf.resize(off + sizeof(T) * v.size());
-  if (!v.empty()) std::memcpy(buf.data() + off, v.data(), sizeof(T) * v.size());
-  return off;
-}
 
 unsigned grid_of(size_t n) {
   TORCH_CHECK(n <= 0x7fffffffu, "qconf fused_step (CUDA): too many work items");
   return static_cast<unsigned>(n);
 }
 
+// The buffer's parts on the device.
+struct DeviceBuffer {
+  const GpuTensor* tensors;
+  const WorkItem* items;
+  const FactorItem *rows, *cols, *stats, *rf;
+  const CopyItem* copies;
+};
+
+// Factored second moments (a rule with a second moment; describe_tensors admits Adam only): the
+// sums, then the statistics and the row factors.
 template <class Rule>
-void launch_passes(cudaStream_t stream, const GpuTensor* tensors, const WorkItem* items, size_t n_reduce,
-                   size_t n_items, int reduce_slots, int apply_slots, const uint32_t* partial, float* recip,
-                   float* newscale, int64_t n_partial, const CopyItem* copies, size_t n_copies) {
-  if (n_reduce > 0) {
-    reduce_kernel<Rule><<<grid_of(n_reduce), kThreads, sizeof(uint32_t) * reduce_slots, stream>>>(tensors, items);
+void launch_factor(cudaStream_t stream, const Plan& plan, const DeviceBuffer& d) {
+  if constexpr (Rule::kStates == 2) {
+    if (plan.row_items.empty()) return;
+    factor_rows_kernel<Rule><<<grid_of(plan.row_items.size()), kThreads, 0, stream>>>(d.tensors, d.rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (n_partial > 0) {
-      const int64_t blocks = std::min<int64_t>((n_partial + kThreads - 1) / kThreads, 65535);
-      finalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(partial, recip, newscale, n_partial);
+    if (!plan.col_items.empty()) {
+      factor_cols_kernel<Rule><<<grid_of(plan.col_items.size()), kThreads, 0, stream>>>(d.tensors, d.cols);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    factor_stats_kernel<<<grid_of(plan.stat_items.size()), kThreads, 0, stream>>>(d.tensors, d.stats);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!plan.rf_items.empty()) {
+      factor_rowfactor_kernel<<<grid_of(plan.rf_items.size()), kThreads, 0, stream>>>(d.tensors, d.rf);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
-  if (n_items > 0) {
-    apply_kernel<Rule><<<grid_of(n_items), kThreads, sizeof(uint32_t) * apply_slots, stream>>>(tensors, items);
+}
+
+// The reduce pass and the new scales of two-pass states, the apply pass, the scale copies.
+template <class Rule>
+void launch_passes(cudaStream_t stream, const Plan& plan, const DeviceBuffer& d, float* scratch) {
+  const ScratchLayout& L = plan.scratch;
+  if (plan.n_reduce > 0) {
+    reduce_kernel<Rule><<<grid_of(plan.n_reduce), kThreads, sizeof(uint32_t) * plan.reduce_slots, stream>>>(
+        d.tensors, d.items);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (L.n_partial > 0) {
+      const int64_t blocks = std::min<int64_t>((L.n_partial + kThreads - 1) / kThreads, 65535);
+      finalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+          reinterpret_cast<const uint32_t*>(scratch + L.partial()), scratch + L.recip(), scratch + L.new_scale(),
+          L.n_partial);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  if (!plan.items.empty()) {
+    apply_kernel<Rule><<<grid_of(plan.items.size()), kThreads, sizeof(uint32_t) * plan.apply_slots, stream>>>(
+        d.tensors, d.items);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (n_copies > 0) {
-    copy_kernel<<<grid_of(n_copies), kThreads, 0, stream>>>(copies);
+  if (!plan.copies.empty()) {
+    copy_kernel<<<grid_of(plan.copies.size()), kThreads, 0, stream>>>(d.copies);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+}
+
+template <class Rule>
+void launch_step(cudaStream_t stream, const Plan& plan, const DeviceBuffer& d, float* scratch) {
+  launch_factor<Rule>(stream, plan, d);
+  launch_passes<Rule>(stream, plan, d, scratch);
 }
 
 }  // namespace
@@ -893,165 +742,45 @@ void fused_step_cuda(int64_t rule, at::TensorList params, at::TensorList grads, 
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 
-  // Describe the tensors with the tables' host address, then move every table pointer to the
-  // tables' place in the device buffer (or describe with the device address if they live there).
+  // Describe the tensors with the tables' address (host or device), plan the launches.
   const bool tables_on_host = tables.is_cpu();
   const float* tab = tables.data_ptr<float>();
   host::CallDescs call;
   host::describe_tensors(rule, params, grads, steps, states, meta, tab, tables.size(0), hyper, seed, device, "CUDA",
                          call);
+  check_supported(call.descs);
+  Plan plan = plan_call(call.descs);
 
-  std::vector<GpuTensor> gts(T);
-  std::vector<WorkItem> two_items, one_items;
-  std::vector<FactorItem> row_items, col_items, stat_items, rf_items;
-  int reduce_slots = 0, apply_slots = 0;
-  int64_t n_partial = 0, n_colp = 0, n_rows = 0;
-  for (int64_t i = 0; i < T; ++i) {
-    GpuTensor& G = gts[i];
-    G.d = call.descs[i];
-    TensorDesc& t = G.d;
-    TORCH_CHECK(t.comp.kind != kQuant, "qconf fused_step (CUDA): parameter ", i,
-                " has a quantized Kahan buffer (weights.compensation_codec), which the CUDA kernels do not implement;"
-                " the buffer in the parameter's dtype (no compensation_codec) is supported");
-    if (t.numel == 0) continue;
-    const int64_t chunk = plan_tensor(G);
-    reduce_slots = std::max(reduce_slots, t.two_pass ? G.reduce_slots : 0);
-    apply_slots = std::max(apply_slots, G.apply_slots);
-    std::vector<WorkItem>& dst = t.two_pass ? two_items : one_items;
-    for (int64_t s = 0; s < t.numel; s += chunk)
-      dst.push_back({static_cast<int32_t>(i), s, std::min(chunk, t.numel - s)});
-    for (auto& st : t.st)
-      if (st.kind == kQuant && st.two_pass) n_partial += st.num_scales;
-    if (t.factored) {
-      G.R = t.shape[t.ndim - 2];
-      G.batches = t.rows / G.R;
-      t.rows_per_chunk = (t.rows + host::kFactorChunks - 1) / host::kFactorChunks;
-      G.chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
-      n_colp += G.chunks * G.batches * t.cols;
-      n_rows += t.rows;
-      const int32_t ti = static_cast<int32_t>(i);
-      for (int64_t r = 0; r < t.rows; r += kFactorRowsPerBlock) row_items.push_back({ti, 0, r, 0});
-      for (int64_t c = 0; c < G.chunks; ++c)
-        for (int64_t j = 0; j < t.cols; j += kThreads) col_items.push_back({ti, 0, c, j});
-      for (int64_t r = 0; r < t.rows; r += kThreads) stat_items.push_back({ti, 0, r, 0});
-      for (int64_t j = 0; j < G.batches * t.cols; j += kThreads) stat_items.push_back({ti, 1, j, 0});
-      for (int64_t b = 0; b < G.batches; b += kThreads) rf_items.push_back({ti, 0, b, 0});
-    }
-  }
-  const size_t n_reduce = two_items.size();
-  std::vector<WorkItem> items = std::move(two_items);  // two-pass tensors first: the reduce pass is a prefix
-  items.insert(items.end(), one_items.begin(), one_items.end());
-
-  // scratch: [partials (zeroed) | column partials (zeroed) | reciprocals | new scales | row sums | row factors]
-  const int64_t n_zero = n_partial + n_colp;
-  const int64_t n_scratch = n_zero + 2 * n_partial + 2 * n_rows;
-  at::Tensor scratch = at::empty({std::max<int64_t>(n_scratch, 1)}, at::TensorOptions().dtype(at::kFloat).device(device));
+  at::Tensor scratch = at::empty({std::max<int64_t>(plan.scratch.total(), 1)},
+                                 at::TensorOptions().dtype(at::kFloat).device(device));
   float* sbase = scratch.data_ptr<float>();
-  if (n_zero > 0) C10_CUDA_CHECK(cudaMemsetAsync(sbase, 0, sizeof(float) * n_zero, stream));
-  uint32_t* partial_all = reinterpret_cast<uint32_t*>(sbase);
-  float* colp_all = sbase + n_partial;
-  float* recip_all = sbase + n_zero;
-  float* newscale_all = recip_all + n_partial;
-  float* rows_all = newscale_all + n_partial;
-  std::vector<CopyItem> copies;
-  {
-    int64_t po = 0, co = 0, ro = 0;
-    for (auto& G : gts) {
-      TensorDesc& t = G.d;
-      if (t.numel == 0) continue;
-      for (auto& st : t.st) {
-        if (st.kind != kQuant || !st.two_pass) continue;
-        st.partial = partial_all + po;
-        st.new_recip = recip_all + po;
-        copies.push_back({st.scales, newscale_all + po, st.num_scales});
-        po += st.num_scales;
-      }
-      if (t.factored) {
-        t.col_partial = colp_all + co;
-        co += G.chunks * G.batches * t.cols;
-        t.row_sum = rows_all + ro;
-        t.row_factor = rows_all + n_rows + ro;
-        ro += t.rows;
-      }
-    }
-  }
+  if (plan.scratch.zeroed() > 0)
+    C10_CUDA_CHECK(cudaMemsetAsync(sbase, 0, sizeof(float) * plan.scratch.zeroed(), stream));
+  assign_scratch(plan, sbase);
 
-  // one host buffer -> one copy: descriptors, work items, copy items, tables (if on the host)
-  std::vector<uint8_t> buf;
-  const size_t off_t = append_bytes(buf, gts);
-  const size_t off_items = append_bytes(buf, items);
-  const size_t off_rows = append_bytes(buf, row_items);
-  const size_t off_cols = append_bytes(buf, col_items);
-  const size_t off_stats = append_bytes(buf, stat_items);
-  const size_t off_rf = append_bytes(buf, rf_items);
-  const size_t off_copies = append_bytes(buf, copies);
-  size_t off_tab = 0;
-  if (tables_on_host) {
-    off_tab = (buf.size() + 15) / 16 * 16;
-    buf.resize(off_tab + sizeof(float) * static_cast<size_t>(tables.numel()));
-    std::memcpy(buf.data() + off_tab, tab, sizeof(float) * static_cast<size_t>(tables.numel()));
-  }
-  at::Tensor dbuf = at::empty({static_cast<int64_t>(buf.size())}, at::TensorOptions().dtype(at::kByte).device(device));
+  // One buffer, one copy: descriptors, work items, copy items, and the tables if they are on the
+  // host, in which case every table pointer moves to the tables' copy in the device buffer.
+  const size_t table_bytes = tables_on_host ? sizeof(float) * static_cast<size_t>(tables.numel()) : 0;
+  const BufferLayout L = buffer_layout(plan, table_bytes);
+  at::Tensor dbuf = at::empty({static_cast<int64_t>(L.size)}, at::TensorOptions().dtype(at::kByte).device(device));
   uint8_t* dbase = dbuf.data_ptr<uint8_t>();
-  if (tables_on_host) {  // rebase the codec table pointers (inside the host copy) onto the device copy
-    const float* dtab = reinterpret_cast<const float*>(dbase + off_tab);
-    auto rebase = [&](const float* p) { return p == nullptr ? p : dtab + (p - tab); };
-    GpuTensor* hts = reinterpret_cast<GpuTensor*>(buf.data() + off_t);
-    for (int64_t i = 0; i < T; ++i) {
-      for (auto& st : hts[i].d.st) {
-        if (st.kind != kQuant) continue;
-        CodecDesc& c = st.codec;
-        c.qmap = rebase(c.qmap);
-        c.mids = rebase(c.mids);
-        c.qsearch = rebase(c.qsearch);
-        c.coarse_mids = rebase(c.coarse_mids);
-        c.coarse_qsearch = rebase(c.coarse_qsearch);
-        c.coarse32_mids = rebase(c.coarse32_mids);
-        c.coarse32_qsearch = rebase(c.coarse32_qsearch);
-        c.cols_mids = rebase(c.cols_mids);
-        c.cols_qsearch = rebase(c.cols_qsearch);
-      }
-    }
-  }
-  at::Tensor hbuf = at::empty({static_cast<int64_t>(buf.size())}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(hbuf.data_ptr<uint8_t>(), buf.data(), buf.size());
+  if (tables_on_host) rebase_plan_tables(plan, tab, reinterpret_cast<const float*>(dbase + L.tables));
+  at::Tensor hbuf = at::empty({static_cast<int64_t>(L.size)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  pack_buffer(plan, L, tables_on_host ? tab : nullptr, table_bytes, hbuf.data_ptr<uint8_t>());
   dbuf.copy_(hbuf, /*non_blocking=*/true);  // on the current stream; torch keeps the pinned block alive
 
-  const GpuTensor* d_tensors = reinterpret_cast<const GpuTensor*>(dbase + off_t);
-  const WorkItem* d_items = reinterpret_cast<const WorkItem*>(dbase + off_items);
-  const CopyItem* d_copies = reinterpret_cast<const CopyItem*>(dbase + off_copies);
-
-  if (!row_items.empty()) {  // factored second moments: sums, then the statistics and row factors
-    factor_rows_kernel<<<grid_of(row_items.size()), kThreads, 0, stream>>>(
-        d_tensors, reinterpret_cast<const FactorItem*>(dbase + off_rows));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (!col_items.empty()) {
-      factor_cols_kernel<<<grid_of(col_items.size()), kThreads, 0, stream>>>(
-          d_tensors, reinterpret_cast<const FactorItem*>(dbase + off_cols));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    factor_stats_kernel<<<grid_of(stat_items.size()), kThreads, 0, stream>>>(
-        d_tensors, reinterpret_cast<const FactorItem*>(dbase + off_stats));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (!rf_items.empty()) {
-      factor_rowfactor_kernel<<<grid_of(rf_items.size()), kThreads, 0, stream>>>(
-          d_tensors, reinterpret_cast<const FactorItem*>(dbase + off_rf));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
+  DeviceBuffer d;
+  d.tensors = reinterpret_cast<const GpuTensor*>(dbase + L.tensors);
+  d.items = reinterpret_cast<const WorkItem*>(dbase + L.items);
+  d.rows = reinterpret_cast<const FactorItem*>(dbase + L.rows);
+  d.cols = reinterpret_cast<const FactorItem*>(dbase + L.cols);
+  d.stats = reinterpret_cast<const FactorItem*>(dbase + L.stats);
+  d.rf = reinterpret_cast<const FactorItem*>(dbase + L.rf);
+  d.copies = reinterpret_cast<const CopyItem*>(dbase + L.copies);
   switch (rule) {
-    case kRuleAdam:
-      launch_passes<AdamRule>(stream, d_tensors, d_items, n_reduce, items.size(), reduce_slots, apply_slots,
-                              partial_all, recip_all, newscale_all, n_partial, d_copies, copies.size());
-      break;
-    case kRuleSgd:
-      launch_passes<SgdRule>(stream, d_tensors, d_items, n_reduce, items.size(), reduce_slots, apply_slots,
-                             partial_all, recip_all, newscale_all, n_partial, d_copies, copies.size());
-      break;
-    default:
-      launch_passes<LionRule>(stream, d_tensors, d_items, n_reduce, items.size(), reduce_slots, apply_slots,
-                              partial_all, recip_all, newscale_all, n_partial, d_copies, copies.size());
-      break;
+    case kRuleAdam: launch_step<AdamRule>(stream, plan, d, sbase); break;
+    case kRuleSgd: launch_step<SgdRule>(stream, plan, d, sbase); break;
+    default: launch_step<LionRule>(stream, plan, d, sbase); break;
   }
 }
 

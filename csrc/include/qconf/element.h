@@ -21,7 +21,7 @@
 namespace qconf {
 
 // ---------------------------------------------------------------------------------------------
-// bit casts and fp32 <-> bf16 / fp16
+// bit casts
 QCONF_HD uint32_t f32_bits(float x) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(x);
@@ -42,6 +42,38 @@ QCONF_HD float bits_f32(uint32_t u) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// correctly rounded fp32 operations (simd.h has the same for vectors)
+QCONF_HD float qsqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(x);
+#else
+  return __builtin_sqrtf(x);
+#endif
+}
+
+QCONF_HD float qdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// a * b + c rounded once (-ffp-contract=off never fuses on its own, so only where asked)
+QCONF_HD float qfma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+
+// torch.sign: +1, -1, or 0 for +-0 and NaN.
+QCONF_HD float qsign(float x) { return static_cast<float>((x > 0.0f) - (x < 0.0f)); }
+
+// ---------------------------------------------------------------------------------------------
+// fp32 <-> bf16 / fp16
 QCONF_HD float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
 
 // Round to nearest even; NaN stays a (quiet) NaN with its sign.
@@ -190,6 +222,20 @@ QCONF_HD float scale_from_absmax_bits(uint32_t m) {
   return (m != 0 && s < kFltMin) ? kFltMin : s;
 }
 
+// Two-pass states: stored scale j and its reciprocal from the absmax bits reduced into `parts`
+// partial arrays of `num_scales` each (the CPU's threads; the CUDA kernels reduce into one).
+QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int parts, int64_t j, float* recip,
+                             float* scale) {
+  uint32_t m = 0;
+  for (int k = 0; k < parts; ++k) {
+    const uint32_t b = partial[k * num_scales + j];
+    m = b > m ? b : m;
+  }
+  const float s = scale_from_absmax_bits(m);
+  recip[j] = qdiv(1.0f, s);
+  scale[j] = s;
+}
+
 // ---------------------------------------------------------------------------------------------
 // quantization (scalar forms; simd.h has the vector forms with the same results)
 //
@@ -234,34 +280,6 @@ struct Scalars {
   float lr, b1, omb1, b2, omb2, eps, wd, decay, step_size, inv_bc2_sqrt, momentum, omdamp;
   int32_t maximize, has_wd, decoupled, nesterov, has_momentum, first;
 };
-
-QCONF_HD float qsqrt(float x) {
-#if defined(__CUDA_ARCH__)
-  return __fsqrt_rn(x);
-#else
-  return __builtin_sqrtf(x);
-#endif
-}
-
-QCONF_HD float qdiv(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-// a * b + c rounded once (-ffp-contract=off never fuses on its own, so only where asked)
-QCONF_HD float qfma(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return __builtin_fmaf(a, b, c);
-#endif
-}
-
-// torch.sign: +1, -1, or 0 for +-0 and NaN.
-QCONF_HD float qsign(float x) { return static_cast<float>((x > 0.0f) - (x < 0.0f)); }
 
 // Adam / AdamW. With a factored second moment `v` is the reconstructed value and is not stored.
 // Each rule: kStates states; apply() updates p and the states in place. A state's new value
@@ -323,7 +341,5 @@ struct LionRule {
     m = m * T(h.b2) + g * T(h.omb2);
   }
 };
-
-enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2 };
 
 }  // namespace qconf

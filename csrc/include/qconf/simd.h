@@ -64,7 +64,6 @@ struct Isa {
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
   static M isnan(F a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
   static M eq_i(I a, I b) { return _mm512_cmpeq_epi32_mask(a.v, b.v); }
-  static M mnot(M a) { return static_cast<M>(~a); }
   static F select(M m, F a, F b) { return _mm512_mask_mov_ps(b.v, m, a.v); }
   static I select_i(M m, I a, I b) { return _mm512_mask_mov_epi32(b.v, m, a.v); }
   static I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a.v, m, a.v, b.v); }
@@ -112,10 +111,11 @@ struct Isa {
     return _mm512_mask_blend_ps(b7, x0, x1);
   }
   // Lookups of kGroup index vectors at once in a 256-entry fp32 table held as planes of its
-  // bytes (CodecDesc::*_bytes, *_words; built by qconf/ops/step.py): a permute looks up 64 byte lanes
-  // (VBMI, 128-entry tables, 4 vectors) or 32 word lanes (BW, 64-entry tables, 2 vectors), so a
-  // vector costs ~6 (VBMI) or ~10 (BW) operations against 18 for lookup256. Both take the
-  // indices packed so that unpacking the planes (per 128-bit lane L) gives each vector in order.
+  // bytes (CodecDesc::*_bytes, *_words; qconf/codec/native.py:codec_table): a permute looks up
+  // 64 byte lanes (VBMI, 128-entry tables, 4 vectors) or 32 word lanes (BW, 64-entry tables, 2
+  // vectors), so a vector costs ~6 (VBMI) or ~10 (BW) operations against 18 for lookup256. Both
+  // take the indices packed so that unpacking the planes (per 128-bit lane L) gives each vector
+  // in order.
 #if defined(QCONF_ISA_VBMI)
   static constexpr int kGroup = 4;
   struct T256P {
@@ -309,7 +309,6 @@ struct Isa {
   static M gt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
   static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)); }
   static M eq_i(I a, I b) { return _mm256_cmpeq_epi32(a.v, b.v); }
-  static M mnot(M a) { return _mm256_xor_si256(a, _mm256_set1_epi32(-1)); }
   static F select(M m, F a, F b) { return _mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(m)); }
   static I select_i(M m, I a, I b) { return _mm256_blendv_epi8(b.v, a.v, m); }
   static I add_if(M m, I a, I b) { return _mm256_add_epi32(a.v, _mm256_and_si256(m, b.v)); }
@@ -399,7 +398,6 @@ struct Isa {
   static M gt(F a, F b) { return a > b; }
   static M isnan(F a) { return a != a; }
   static M eq_i(I a, I b) { return a == b; }
-  static M mnot(M a) { return !a; }
   static F select(M m, F a, F b) { return m ? a : b; }
   static I select_i(M m, I a, I b) { return m ? a : b; }
   static I add_if(M m, I a, I b) { return m ? a + b : a; }

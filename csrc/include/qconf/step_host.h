@@ -47,8 +47,8 @@ inline int64_t num_scales_of(const CodecDesc& c, const TensorDesc& t) {
 }
 
 inline Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step, bool first) {
-  // hyper: lr, beta1, beta2, eps, weight_decay, momentum, dampening, maximize, nesterov, decoupled
-  const double lr = hp[0], b1 = hp[1], b2 = hp[2], eps = hp[3], wd = hp[4], mom = hp[5], damp = hp[6];
+  const double lr = hp[kHyperLr], b1 = hp[kHyperBeta1], b2 = hp[kHyperBeta2], eps = hp[kHyperEps];
+  const double wd = hp[kHyperWeightDecay], mom = hp[kHyperMomentum], damp = hp[kHyperDampening];
   Scalars h{};
   h.lr = static_cast<float>(lr);
   h.b1 = static_cast<float>(b1);
@@ -60,9 +60,9 @@ inline Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step,
   h.decay = static_cast<float>(1.0 - lr * wd);
   h.momentum = static_cast<float>(mom);
   h.omdamp = static_cast<float>(1.0 - damp);
-  h.maximize = hp[7] != 0.0;
-  h.nesterov = hp[8] != 0.0;
-  h.decoupled = hp[9] != 0.0;
+  h.maximize = hp[kHyperMaximize] != 0.0;
+  h.nesterov = hp[kHyperNesterov] != 0.0;
+  h.decoupled = hp[kHyperDecoupled] != 0.0;
   h.has_wd = wd != 0.0;
   h.has_momentum = mom != 0.0;
   h.first = first;
@@ -99,8 +99,8 @@ inline void check_call(int64_t rule, at::TensorList params, at::TensorList grads
   const int64_t T = static_cast<int64_t>(params.size());
   TORCH_CHECK(rule >= kRuleAdam && rule <= kRuleLion, "qconf fused_step: unknown rule ", rule);
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == T && static_cast<int64_t>(steps.size()) == T &&
-                  static_cast<int64_t>(states.size()) == kStateSlots * T,
-              "qconf fused_step: expected ", T, " grads and steps and ", kStateSlots * T, " state tensors, got ",
+                  static_cast<int64_t>(states.size()) == kSlotLen * T,
+              "qconf fused_step: expected ", T, " grads and steps and ", kSlotLen * T, " state tensors, got ",
               grads.size(), ", ", steps.size(), ", ", states.size());
   TORCH_CHECK(meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(0) == T && meta.size(1) == kMetaCols &&
                   meta.is_contiguous(),
@@ -109,20 +109,52 @@ inline void check_call(int64_t rule, at::TensorList params, at::TensorList grads
                   tables.size(2) == kTableSize && tables.is_contiguous(),
               "qconf fused_step: tables must be a contiguous float32 tensor of shape (N, ", kTableRows, ", ",
               kTableSize, ")");
-  TORCH_CHECK(hyper.size() == kHyperLen, "qconf fused_step: hyper must have ", kHyperLen, " values");
+  TORCH_CHECK(hyper.size() == static_cast<size_t>(kHyperLen), "qconf fused_step: hyper must have ", kHyperLen,
+              " values");
 }
 
-// A quantized state's codec and storage from its meta columns `sm` (kind, table, bits, levels,
-// scale_kind, block, d1, inner, stochastic) and its tensors `a` (packed codes) / `b` (scales).
-inline void describe_quant(const int64_t* sm, const at::Tensor& a, const at::Tensor& b, const TensorDesc& t,
-                           const float* tab, int64_t ntab, int64_t i, const char* what, int k, StateDesc& st) {
+// What describing one parameter needs besides its own row of `meta`: the state tensors, the
+// tables' address as the kernels will read it (host or device memory) and their count, the seed,
+// and the device everything must be on (`where` names the driver in messages: "CPU", "CUDA").
+struct CallContext {
+  int64_t rule;
+  at::TensorList states;
+  const float* tab;
+  int64_t ntab;
+  int64_t seed;
+  at::Device device;
+  const char* where;
+  std::string device_name;
+
+  CallContext(int64_t rule_, at::TensorList states_, const float* tab_, int64_t ntab_, int64_t seed_,
+              const at::Device& device_, const char* where_)
+      : rule(rule_), states(states_), tab(tab_), ntab(ntab_), seed(seed_), device(device_), where(where_),
+        device_name(device_.is_cpu() ? std::string("CPU") : device_.str()) {}
+  // tensor `slot` (layout.h kSlot*) of parameter i
+  const at::Tensor& state(int64_t i, int slot) const { return states[i * kSlotLen + slot]; }
+  void check_device(const at::Tensor& s, int64_t i) const {
+    TORCH_CHECK(s.device() == device, "qconf fused_step (", where, "): a state of parameter ", i, " is not on the ",
+                device_name);
+  }
+  // the random stream `stream` of parameter i at this step: 0, 1 its states, 2 its own stochastic
+  // rounding, 3 its quantized Kahan buffer (qconf/codec/rng.py)
+  StreamKey key(const int64_t* m, double step, uint64_t stream) const {
+    return stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step), static_cast<uint64_t>(m[kMetaIndex]),
+                      stream);
+  }
+};
+
+// A quantized state's codec and storage from its meta column block `sm` (layout.h kStateCol*) and
+// its tensors `a` (packed codes) / `b` (scales).
+inline void describe_quant(const CallContext& cx, const int64_t* sm, const at::Tensor& a, const at::Tensor& b,
+                           const TensorDesc& t, int64_t i, const char* what, int k, StateDesc& st) {
   CodecDesc& c = st.codec;
-  const int64_t table = sm[1];
-  TORCH_CHECK(table >= 0 && table < ntab, "qconf fused_step: table index out of range");
-  read_codec(c, sm + 2);
+  const int64_t table = sm[kStateColTable];
+  TORCH_CHECK(table >= 0 && table < cx.ntab, "qconf fused_step: table index out of range");
+  read_codec(c, sm + kStateColCodec);
   TORCH_CHECK(codec_valid(c, t.ndim), "qconf fused_step: invalid codec description for ", what, " ", k,
               " of parameter ", i);
-  point_tables(c, tab + table * kTableRows * kTableSize);
+  point_tables(c, cx.tab + table * kTableRows * kTableSize);
   st.num_scales = num_scales_of(c, t);
   const int64_t nbytes = (t.numel * c.bits + 7) / 8;
   TORCH_CHECK(a.scalar_type() == at::kByte && a.numel() == nbytes && a.is_contiguous(),
@@ -141,9 +173,178 @@ struct CallDescs {
   std::vector<TensorDesc> descs;
   std::vector<at::Tensor> grad_storage;  // contiguous views (a copy only for strided gradients)
   int64_t max_tile = 64;
-  bool any_two_pass = false;
   bool any_factored = false;
 };
+
+// Parameter i and its gradient (made contiguous into `g`): shape, dtypes, data.
+inline void describe_param(const CallContext& cx, int64_t i, const at::Tensor& p, const at::Tensor& grad,
+                           const int64_t* m, at::Tensor& g, TensorDesc& t) {
+  TORCH_CHECK(!grad.is_sparse(), "qconf fused_step: gradient ", i, " is sparse; sparse gradients are not supported");
+  g = grad.contiguous();
+  TORCH_CHECK(p.device() == cx.device && g.device() == cx.device, "qconf fused_step (", cx.where, "): parameter ", i,
+              " is not on the ", cx.device_name);
+  TORCH_CHECK(p.is_contiguous(), "qconf fused_step: parameter ", i, " must be contiguous");
+  TORCH_CHECK(g.numel() == p.numel(), "qconf fused_step: gradient ", i, " has ", g.numel(), " elements, the parameter ", p.numel());
+  t.numel = p.numel();
+  t.ndim = static_cast<int32_t>(m[kMetaNdim]);
+  TORCH_CHECK(t.ndim == p.dim() && t.ndim <= kMaxDims, "qconf fused_step: meta ndim of parameter ", i, " is wrong");
+  for (int d = 0; d < t.ndim; ++d) {
+    t.shape[d] = m[kMetaShape + d];
+    TORCH_CHECK(t.shape[d] == p.size(d), "qconf fused_step: meta shape of parameter ", i, " is wrong");
+  }
+  t.param = p.data_ptr();
+  t.pdtype = dtype_code(p, "parameter", i);
+  t.grad = g.data_ptr();
+  t.gdtype = dtype_code(g, "gradient", i);
+}
+
+// Increments parameter i's step counter; returns the new step.
+inline double advance_step(const at::Tensor& step, int64_t i) {
+  TORCH_CHECK(step.scalar_type() == at::kFloat && step.numel() == 1 && step.device().is_cpu(),
+              "qconf fused_step: step ", i, " must be a one-element float32 CPU tensor");
+  float* step_ptr = static_cast<float*>(step.data_ptr());
+  *step_ptr += 1.0f;
+  return static_cast<double>(*step_ptr);
+}
+
+// One Scalars per distinct (step, first) (usually one per call): std::pow is not free either.
+struct ScalarsCache {
+  double step = -1.0;
+  bool first = false;
+  Scalars h{};
+  const Scalars& get(int64_t rule, c10::ArrayRef<double> hyper, double step_value, bool first_step) {
+    if (step_value != step || first_step != first) {
+      step = step_value;
+      first = first_step;
+      h = make_scalars(rule, hyper, step_value, first_step);
+    }
+    return h;
+  }
+};
+
+// States 0 and 1 (fp32 or quantized) of parameter i. Returns the tile unit: 64 (whole vectors and
+// bytes of codes), times the blocks of single-pass states.
+inline int64_t describe_states(const CallContext& cx, int64_t i, const int64_t* m, double step, TensorDesc& t) {
+  int64_t unit = 64;
+  for (int k = 0; k < 2; ++k) {
+    const int64_t* sm = m + meta_state(k);
+    StateDesc& st = t.st[k];
+    st.kind = static_cast<int32_t>(sm[kStateColKind]);
+    const at::Tensor& a = cx.state(i, slot_state(k));
+    if (st.kind == kFp32) {
+      TORCH_CHECK(a.scalar_type() == at::kFloat && a.numel() == t.numel && a.is_contiguous(),
+                  "qconf fused_step: fp32 state ", k, " of parameter ", i, " must be a contiguous float32 tensor of ",
+                  t.numel, " elements");
+      cx.check_device(a, i);
+      st.values = static_cast<float*>(a.data_ptr());
+    } else if (st.kind == kQuant) {
+      const at::Tensor& b = cx.state(i, slot_scales(k));
+      describe_quant(cx, sm, a, b, t, i, "state", k, st);
+      cx.check_device(a, i);
+      cx.check_device(b, i);
+      st.key = cx.key(m, step, static_cast<uint64_t>(k));
+      st.two_pass = st.codec.scale_kind != kBlock || st.codec.block > kMaxUnit;
+      if (!st.two_pass) unit = lcm64(unit, st.codec.block);
+    } else {
+      TORCH_CHECK(st.kind == kNone, "qconf fused_step: unknown state kind ", st.kind);
+    }
+  }
+  return unit;
+}
+
+// How parameter i's new values reach a bf16/fp16 parameter: stochastic rounding (stream 2) and/or
+// the Kahan buffer (in the parameter's dtype, or quantized: stream 3). Returns the tile unit of
+// the buffer: 64, times its block if quantized (its blocks always stay within one tile).
+inline int64_t describe_weights(const CallContext& cx, int64_t i, const at::Tensor& p, const int64_t* m, double step,
+                                TensorDesc& t) {
+  const int64_t wflags = m[kMetaWeights];
+  TORCH_CHECK((wflags & ~static_cast<int64_t>(kWeightsStochastic | kWeightsKahan)) == 0,
+              "qconf fused_step: invalid weights flags ", wflags, " of parameter ", i);
+  TORCH_CHECK(wflags == 0 || t.pdtype != kF32, "qconf fused_step: parameter ", i,
+              " is float32; stochastic rounding / Kahan compensation apply to bfloat16 and float16 parameters");
+  t.w_stochastic = (wflags & kWeightsStochastic) != 0;
+  t.w_kahan = (wflags & kWeightsKahan) != 0;
+  t.pkey = cx.key(m, step, 2);
+  const int64_t* cm = m + kMetaComp;
+  StateDesc& cs = t.comp;
+  cs.kind = static_cast<int32_t>(cm[kStateColKind]);
+  const at::Tensor& a = cx.state(i, kSlotComp);
+  TORCH_CHECK(t.w_kahan ? (cs.kind == kParamDtype || cs.kind == kQuant) : cs.kind == kNone,
+              "qconf fused_step: the Kahan buffer of parameter ", i, " does not match its weights flags");
+  if (cs.kind == kParamDtype) {
+    TORCH_CHECK(a.scalar_type() == p.scalar_type() && a.numel() == t.numel && a.is_contiguous(),
+                "qconf fused_step: the Kahan buffer of parameter ", i, " must be a contiguous ", p.scalar_type(),
+                " tensor of ", t.numel, " elements");
+    cx.check_device(a, i);
+    cs.values16 = static_cast<uint16_t*>(a.data_ptr());
+  } else if (cs.kind == kQuant) {
+    const at::Tensor& b = cx.state(i, kSlotCompScales);
+    describe_quant(cx, cm, a, b, t, i, "Kahan buffer", 0, cs);
+    TORCH_CHECK(cs.codec.scale_kind == kBlock, "qconf fused_step: the Kahan buffer of parameter ", i,
+                " must use group scales");
+    cx.check_device(a, i);
+    cx.check_device(b, i);
+    cs.key = cx.key(m, step, 3);
+    return lcm64(64, cs.codec.block);
+  }
+  return 64;
+}
+
+// The tile length and the single-pass / two-pass decision of each state. Single-pass blocks stay
+// within one tile (`unit`: their common multiple with `base_unit`, the Kahan buffer's); if that
+// is too large, the larger block goes through the two-pass path instead.
+inline void choose_tiling(TensorDesc& t, int64_t unit, int64_t base_unit) {
+  if (unit > kMaxUnit && t.numel > kMaxUnit) {
+    unit = base_unit;
+    StateDesc* big = t.st[0].kind == kQuant && !t.st[0].two_pass ? &t.st[0] : nullptr;
+    StateDesc* other = t.st[1].kind == kQuant && !t.st[1].two_pass ? &t.st[1] : nullptr;
+    if (big && other && other->codec.block > big->codec.block) std::swap(big, other);
+    if (big) big->two_pass = 1;
+    if (other) unit = lcm64(unit, other->codec.block);
+    if (unit > kMaxUnit && other) {
+      other->two_pass = 1;
+      unit = base_unit;
+    }
+  }
+  if (t.numel <= kMaxUnit) {
+    t.tile = t.numel;  // one tile holds the whole tensor: every block is inside it
+    for (auto& st : t.st)
+      if (st.kind == kQuant && st.codec.scale_kind == kBlock) st.two_pass = 0;
+    t.comp.two_pass = 0;
+  } else {
+    t.tile = ((kTileTarget + unit - 1) / unit) * unit;
+  }
+  t.two_pass = (t.st[0].kind == kQuant && t.st[0].two_pass) || (t.st[1].kind == kQuant && t.st[1].two_pass);
+}
+
+// The factored second moment's row / column statistics of parameter i (Adam, ndim >= 2).
+inline void describe_factored(const CallContext& cx, int64_t i, TensorDesc& t) {
+  TORCH_CHECK(cx.rule == kRuleAdam && t.ndim >= 2 && t.st[1].kind == kNone,
+              "qconf fused_step: a factored second moment needs Adam, ndim >= 2 and no dense exp_avg_sq");
+  const at::Tensor& row = cx.state(i, kSlotRow);
+  const at::Tensor& col = cx.state(i, kSlotCol);
+  t.cols = t.shape[t.ndim - 1];
+  t.rows = t.numel / std::max<int64_t>(t.cols, 1);
+  const int64_t R = t.shape[t.ndim - 2];
+  const int64_t batches = t.rows / std::max<int64_t>(R, 1);
+  TORCH_CHECK(row.scalar_type() == at::kFloat && row.numel() == t.rows && row.is_contiguous() &&
+                  col.scalar_type() == at::kFloat && col.numel() == batches * t.cols && col.is_contiguous(),
+              "qconf fused_step: factored statistics of parameter ", i, " have the wrong size or dtype");
+  cx.check_device(row, i);
+  cx.check_device(col, i);
+  t.row = row.data_ptr<float>();
+  t.col = col.data_ptr<float>();
+}
+
+// Starts loading the metadata of parameter j's tensors (see prefetch_meta).
+inline void prefetch_param(const CallContext& cx, at::TensorList params, at::TensorList grads, at::TensorList steps,
+                           int64_t j, bool deep) {
+  if (j >= static_cast<int64_t>(params.size())) return;
+  prefetch_meta(params[j], deep);
+  prefetch_meta(grads[j], deep);
+  prefetch_meta(steps[j], deep);
+  for (int s = 0; s < kSlotLen; ++s) prefetch_meta(cx.state(j, s), deep);
+}
 
 // Builds one TensorDesc per parameter from `meta` (and increments every step counter). `tab` is
 // the address of `tables`' data as the kernels will read it (host or device memory), `ntab` the
@@ -157,178 +358,32 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
   const int64_t T = static_cast<int64_t>(params.size());
   TORCH_CHECK(meta.device().is_cpu(), "qconf fused_step: meta must be a CPU tensor");
   const int64_t* M = meta.data_ptr<int64_t>();
-  const std::string device_name = device.is_cpu() ? std::string("CPU") : device.str();
-  std::vector<TensorDesc>& descs = out.descs;
-  std::vector<at::Tensor>& grad_storage = out.grad_storage;
-  descs.assign(T, TensorDesc{});
-  grad_storage.assign(T, at::Tensor());
-  int64_t max_tile = 64;
-  bool any_two_pass = false, any_factored = false;
-  auto check_state_device = [&](const at::Tensor& s, int64_t i) {
-    TORCH_CHECK(s.device() == device, "qconf fused_step (", where, "): a state of parameter ", i, " is not on the ",
-                device_name);
-  };
-
-  // one Scalars per distinct step value (usually one per call): std::pow is not free either
-  double scalars_step = -1.0;
-  bool scalars_first = false;
-  Scalars scalars{};
-  auto prefetch_param = [&](int64_t j, bool deep) {
-    if (j >= T) return;
-    prefetch_meta(params[j], deep);
-    prefetch_meta(grads[j], deep);
-    prefetch_meta(steps[j], deep);
-    for (int s = 0; s < kStateSlots; ++s) prefetch_meta(states[j * kStateSlots + s], deep);
-  };
-  for (int64_t j = 0; j < 4; ++j) prefetch_param(j, false);
+  const CallContext cx(rule, states, tab, ntab, seed, device, where);
+  out.descs.assign(T, TensorDesc{});
+  out.grad_storage.assign(T, at::Tensor());
+  out.max_tile = 64;
+  out.any_factored = false;
+  ScalarsCache scalars;
+  for (int64_t j = 0; j < 4; ++j) prefetch_param(cx, params, grads, steps, j, false);
   for (int64_t i = 0; i < T; ++i) {
-    prefetch_param(i + 4, false);
-    prefetch_param(i + 2, true);
+    prefetch_param(cx, params, grads, steps, i + 4, false);
+    prefetch_param(cx, params, grads, steps, i + 2, true);
     const int64_t* m = M + i * kMetaCols;
-    TensorDesc& t = descs[i];
-    const at::Tensor& p = params[i];
-    TORCH_CHECK(!grads[i].is_sparse(), "qconf fused_step: gradient ", i, " is sparse; sparse gradients are not supported");
-    grad_storage[i] = grads[i].contiguous();
-    const at::Tensor& g = grad_storage[i];
-    TORCH_CHECK(p.device() == device && g.device() == device, "qconf fused_step (", where, "): parameter ", i,
-                " is not on the ", device_name);
-    TORCH_CHECK(p.is_contiguous(), "qconf fused_step: parameter ", i, " must be contiguous");
-    TORCH_CHECK(g.numel() == p.numel(), "qconf fused_step: gradient ", i, " has ", g.numel(), " elements, the parameter ", p.numel());
-    t.numel = p.numel();
-    t.ndim = static_cast<int32_t>(m[kColNdim]);
-    TORCH_CHECK(t.ndim == p.dim() && t.ndim <= kMaxDims, "qconf fused_step: meta ndim of parameter ", i, " is wrong");
-    for (int d = 0; d < t.ndim; ++d) {
-      t.shape[d] = m[kColShape + d];
-      TORCH_CHECK(t.shape[d] == p.size(d), "qconf fused_step: meta shape of parameter ", i, " is wrong");
-    }
-    t.param = p.data_ptr();
-    t.pdtype = dtype_code(p, "parameter", i);
-    t.grad = g.data_ptr();
-    t.gdtype = dtype_code(g, "gradient", i);
-    const at::Tensor& step = steps[i];
-    TORCH_CHECK(step.scalar_type() == at::kFloat && step.numel() == 1 && step.device().is_cpu(),
-                "qconf fused_step: step ", i, " must be a one-element float32 CPU tensor");
-    float* step_ptr = static_cast<float*>(step.data_ptr());
-    *step_ptr += 1.0f;
-    const double step_value = static_cast<double>(*step_ptr);
-    if (step_value != scalars_step || (m[kColFirst] != 0) != scalars_first) {
-      scalars_step = step_value;
-      scalars_first = m[kColFirst] != 0;
-      scalars = make_scalars(rule, hyper, step_value, scalars_first);
-    }
-    t.h = scalars;
-    t.factored = static_cast<int32_t>(m[kColFactored]);
-
-    int64_t unit = 64;  // tile granularity: whole vectors and bytes of codes, whole single-pass blocks
-    for (int k = 0; k < 2; ++k) {
-      const int64_t* sm = m + kColState + k * kStateCols;
-      StateDesc& st = t.st[k];
-      st.kind = static_cast<int32_t>(sm[0]);
-      const at::Tensor& a = states[i * kStateSlots + 2 * k];
-      const at::Tensor& b = states[i * kStateSlots + 2 * k + 1];
-      if (st.kind == kFp32) {
-        TORCH_CHECK(a.scalar_type() == at::kFloat && a.numel() == t.numel && a.is_contiguous(),
-                    "qconf fused_step: fp32 state ", k, " of parameter ", i, " must be a contiguous float32 tensor of ",
-                    t.numel, " elements");
-        check_state_device(a, i);
-        st.values = static_cast<float*>(a.data_ptr());
-      } else if (st.kind == kQuant) {
-        describe_quant(sm, a, b, t, tab, ntab, i, "state", k, st);
-        check_state_device(a, i);
-        check_state_device(b, i);
-        const CodecDesc& c = st.codec;
-        st.key = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step_value),
-                            static_cast<uint64_t>(m[kColIndex]), static_cast<uint64_t>(k));
-        st.two_pass = c.scale_kind != kBlock || c.block > kMaxUnit;
-        if (!st.two_pass) unit = lcm64(unit, c.block);
-      } else {
-        TORCH_CHECK(st.kind == kNone, "qconf fused_step: unknown state kind ", st.kind);
-      }
-    }
-    // weights: stochastic rounding (stream 2) and/or the Kahan buffer (quantized: stream 3)
-    const int64_t wflags = m[kColWeights];
-    TORCH_CHECK(wflags >= 0 && wflags <= 3, "qconf fused_step: invalid weights flags ", wflags, " of parameter ", i);
-    TORCH_CHECK(wflags == 0 || t.pdtype != kF32, "qconf fused_step: parameter ", i,
-                " is float32; stochastic rounding / Kahan compensation apply to bfloat16 and float16 parameters");
-    t.w_stochastic = static_cast<int32_t>(wflags & 1);
-    t.w_kahan = static_cast<int32_t>((wflags >> 1) & 1);
-    t.pkey = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step_value),
-                        static_cast<uint64_t>(m[kColIndex]), 2);
-    int64_t base_unit = 64;  // the Kahan buffer's blocks always stay within one tile (single pass)
-    {
-      const int64_t* cm = m + kColComp;
-      StateDesc& cs = t.comp;
-      cs.kind = static_cast<int32_t>(cm[0]);
-      const at::Tensor& a = states[i * kStateSlots + 6];
-      const at::Tensor& b = states[i * kStateSlots + 7];
-      TORCH_CHECK(t.w_kahan ? (cs.kind == kParamDtype || cs.kind == kQuant) : cs.kind == kNone,
-                  "qconf fused_step: the Kahan buffer of parameter ", i, " does not match its weights flags");
-      if (cs.kind == kParamDtype) {
-        TORCH_CHECK(a.scalar_type() == p.scalar_type() && a.numel() == t.numel && a.is_contiguous(),
-                    "qconf fused_step: the Kahan buffer of parameter ", i, " must be a contiguous ", p.scalar_type(),
-                    " tensor of ", t.numel, " elements");
-        check_state_device(a, i);
-        cs.values16 = static_cast<uint16_t*>(a.data_ptr());
-      } else if (cs.kind == kQuant) {
-        describe_quant(cm, a, b, t, tab, ntab, i, "Kahan buffer", 0, cs);
-        TORCH_CHECK(cs.codec.scale_kind == kBlock, "qconf fused_step: the Kahan buffer of parameter ", i,
-                    " must use group scales");
-        check_state_device(a, i);
-        check_state_device(b, i);
-        cs.key = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step_value),
-                            static_cast<uint64_t>(m[kColIndex]), 3);
-        base_unit = lcm64(base_unit, cs.codec.block);
-        unit = lcm64(unit, cs.codec.block);
-      }
-    }
-    // keep single-pass blocks within one tile; if their common multiple is too large, the larger
-    // block goes through the two-pass path instead
-    if (unit > kMaxUnit && t.numel > kMaxUnit) {
-      unit = base_unit;
-      StateDesc* big = t.st[0].kind == kQuant && !t.st[0].two_pass ? &t.st[0] : nullptr;
-      StateDesc* other = t.st[1].kind == kQuant && !t.st[1].two_pass ? &t.st[1] : nullptr;
-      if (big && other && other->codec.block > big->codec.block) std::swap(big, other);
-      if (big) big->two_pass = 1;
-      if (other) unit = lcm64(unit, other->codec.block);
-      if (unit > kMaxUnit && other) {
-        other->two_pass = 1;
-        unit = base_unit;
-      }
-    }
-    if (t.numel <= kMaxUnit) {
-      t.tile = t.numel;  // one tile holds the whole tensor: every block is inside it
-      for (auto& st : t.st)
-        if (st.kind == kQuant && st.codec.scale_kind == kBlock) st.two_pass = 0;
-      t.comp.two_pass = 0;
-    } else {
-      t.tile = ((kTileTarget + unit - 1) / unit) * unit;
-    }
-    t.two_pass = (t.st[0].kind == kQuant && t.st[0].two_pass) || (t.st[1].kind == kQuant && t.st[1].two_pass);
-    any_two_pass |= t.two_pass != 0;
+    TensorDesc& t = out.descs[i];
+    describe_param(cx, i, params[i], grads[i], m, out.grad_storage[i], t);
+    const double step = advance_step(steps[i], i);
+    t.h = scalars.get(rule, hyper, step, m[kMetaFirst] != 0);
+    t.factored = static_cast<int32_t>(m[kMetaFactored]);
+    const int64_t unit = describe_states(cx, i, m, step, t);
+    const int64_t base_unit = describe_weights(cx, i, params[i], m, step, t);
+    choose_tiling(t, lcm64(unit, base_unit), base_unit);
     if (t.factored) {
-      TORCH_CHECK(rule == kRuleAdam && t.ndim >= 2 && t.st[1].kind == kNone,
-                  "qconf fused_step: a factored second moment needs Adam, ndim >= 2 and no dense exp_avg_sq");
-      const at::Tensor& row = states[i * kStateSlots + 4];
-      const at::Tensor& col = states[i * kStateSlots + 5];
-      t.cols = t.shape[t.ndim - 1];
-      t.rows = t.numel / std::max<int64_t>(t.cols, 1);
-      const int64_t R = t.shape[t.ndim - 2];
-      const int64_t batches = t.rows / std::max<int64_t>(R, 1);
-      TORCH_CHECK(row.scalar_type() == at::kFloat && row.numel() == t.rows && row.is_contiguous() &&
-                      col.scalar_type() == at::kFloat && col.numel() == batches * t.cols && col.is_contiguous(),
-                  "qconf fused_step: factored statistics of parameter ", i, " have the wrong size or dtype");
-      check_state_device(row, i);
-      check_state_device(col, i);
-      t.row = row.data_ptr<float>();
-      t.col = col.data_ptr<float>();
-      any_factored = true;
-      max_tile = std::max(max_tile, t.cols);
+      describe_factored(cx, i, t);
+      out.any_factored = true;
+      out.max_tile = std::max(out.max_tile, t.cols);
     }
-    max_tile = std::max(max_tile, t.tile);
+    out.max_tile = std::max(out.max_tile, t.tile);
   }
-  out.max_tile = max_tile;
-  out.any_two_pass = any_two_pass;
-  out.any_factored = any_factored;
 }
 
 }  // namespace host

@@ -1,24 +1,16 @@
-// Plain descriptors of one fused optimizer step, filled by the driver (csrc/cpu/step.cpp) and read
-// by the per-ISA tile kernels (csrc/include/qconf/step_cpu.h) and the CUDA kernels.
+// Plain descriptors of one fused optimizer step, filled by the host drivers (qconf/step_host.h)
+// and read by the per-ISA tile kernels (csrc/include/qconf/step_pipeline.h) and the CUDA kernels.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "qconf/element.h"
+#include "qconf/layout.h"
 
 namespace qconf {
 
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-// kParamDtype: stored as 16-bit values in the parameter's dtype (the Kahan buffer by default)
-enum StateKind : int32_t { kNone = 0, kFp32 = 1, kQuant = 2, kParamDtype = 3 };
-// How a quantized state's elements map to stored scales (after the rank fallbacks):
-//   kBlock: contiguous blocks of `block` elements (group, dim0 = rows, tensor = one block)
-//   kDim1:  element i uses scale ((i / inner) % d1)
-//   kRank1: element uses min over dims of that dim's vector (concatenated, sum(shape) values)
-enum ScaleKind : int32_t { kBlock = 0, kDim1 = 1, kRank1 = 2 };
-
-constexpr int kMaxDims = 8;
-constexpr int kTableSize = 256;
 
 struct CodecDesc {
   int32_t bits = 0;
@@ -27,6 +19,8 @@ struct CodecDesc {
   int32_t stochastic = 0;
   int64_t block = 0;           // kBlock
   int64_t d1 = 0, inner = 0;   // kDim1
+  // the codec's [kTableRows, kTableSize] table that the pointers below point into (point_tables)
+  const float* base = nullptr;
   const float* qmap = nullptr;     // kTableSize entries: the map (codes < levels)
   const float* mids = nullptr;     // kTableSize entries: levels-1 midpoints, then +inf
   const float* qsearch = nullptr;  // kTableSize entries: the map, then +inf
@@ -47,11 +41,10 @@ struct CodecDesc {
   const float* shifted32_qsearch = nullptr;
   // 2 entries (L, c): nonzero L means the midpoints are exactly (k + c) / L with L a power of two
   // and c - 1/2 a non-negative integer, so the nearest code is clamp(ceil(n * L - c), 0, levels-1)
-  // computed exactly in fp32 (qconf/ops/step.py:codec_table)
+  // computed exactly in fp32 (qconf/codec/native.py:midpoint_grid)
   const float* grid = nullptr;
-  // octave lines (qconf/ops/octave_lines.py): per octave of |n| slopes S1 [0:32], offsets A1
-  // [32:64], S2 [64:96], A2 [96:128] (the estimate is the smaller line), mirror K [160], and
-  // the form [161]: 0 none (search), 1 unsigned, 2 signed
+  // octave lines (qconf/codec/octave_lines.py): per octave of |n| slopes S1, offsets A1, S2, A2
+  // (the estimate is the smaller line), the mirror K and the form (layout.h kLines*)
   const float* lines = nullptr;
   // qmap and midpoints (+inf padded) as planes for Isa::lookup256n: 16-bit halves [low 256 |
   // high 256], and bytes [byte 0 of 256 | byte 1 | byte 2 | byte 3] (1 KB each)
@@ -61,42 +54,53 @@ struct CodecDesc {
   const uint8_t* mids_bytes = nullptr;
 };
 
-// Points a codec at its lookup tables: `base` is one [kTableRows, 256] table of
-// qconf/ops/step.py:codec_table (host or device memory).
+// Points a codec at its lookup tables: `base` is one [kTableRows, kTableSize] table of
+// qconf/codec/native.py:codec_table (host or device memory).
 inline void point_tables(CodecDesc& c, const float* base) {
-  c.qmap = base;
-  c.mids = base + kTableSize;
-  c.qsearch = base + 2 * kTableSize;
-  c.coarse_mids = base + 3 * kTableSize;
-  c.coarse_qsearch = base + 3 * kTableSize + 16;
-  c.coarse32_mids = base + 4 * kTableSize;
-  c.coarse32_qsearch = base + 4 * kTableSize + 32;
-  c.cols_mids = base + 5 * kTableSize;
-  c.cols_qsearch = base + 6 * kTableSize;
-  c.grid = base + 3 * kTableSize + 32;
-  c.shifted16_mids = base + 3 * kTableSize + 64;
-  c.shifted16_qsearch = base + 3 * kTableSize + 96;
-  c.shifted16_coarse_mids = base + 3 * kTableSize + 128;
-  c.shifted16_coarse_qsearch = base + 3 * kTableSize + 160;
-  c.shifted32_mids = base + 4 * kTableSize + 64;
-  c.shifted32_qsearch = base + 4 * kTableSize + 160;
-  c.lines = base + 7 * kTableSize;
-  c.qmap_words = reinterpret_cast<const uint8_t*>(base + 8 * kTableSize);
-  c.mids_words = reinterpret_cast<const uint8_t*>(base + 9 * kTableSize);
-  c.qmap_bytes = reinterpret_cast<const uint8_t*>(base + 10 * kTableSize);
-  c.mids_bytes = reinterpret_cast<const uint8_t*>(base + 11 * kTableSize);
+  const auto row = [base](int r) { return base + r * kTableSize; };
+  const auto planes = [&row](int r) { return reinterpret_cast<const uint8_t*>(row(r)); };
+  c.base = base;
+  c.qmap = row(kRowQmap);
+  c.mids = row(kRowMids);
+  c.qsearch = row(kRowQsearch);
+  c.coarse_mids = row(kRowCoarse16) + kCoarse16Mids;
+  c.coarse_qsearch = row(kRowCoarse16) + kCoarse16Qsearch;
+  c.coarse32_mids = row(kRowCoarse32) + kCoarse32Mids;
+  c.coarse32_qsearch = row(kRowCoarse32) + kCoarse32Qsearch;
+  c.cols_mids = row(kRowColsMids);
+  c.cols_qsearch = row(kRowColsQsearch);
+  c.grid = row(kRowCoarse16) + kCoarse16Grid;
+  const float* shifted16 = row(kRowCoarse16) + kCoarse16Shifted;
+  c.shifted16_mids = shifted16;
+  c.shifted16_qsearch = shifted16 + kShifted16Len;
+  c.shifted16_coarse_mids = shifted16 + 2 * kShifted16Len;
+  c.shifted16_coarse_qsearch = shifted16 + 3 * kShifted16Len;
+  const float* shifted32 = row(kRowCoarse32) + kCoarse32Shifted;
+  c.shifted32_mids = shifted32;
+  c.shifted32_qsearch = shifted32 + kShifted32Len;
+  c.lines = row(kRowLines);
+  c.qmap_words = planes(kRowQmapWords);
+  c.mids_words = planes(kRowMidsWords);
+  c.qmap_bytes = planes(kRowQmapBytes);
+  c.mids_bytes = planes(kRowMidsBytes);
 }
 
-// A codec's layout from 7 int64 columns written by Python (qconf/ops/step.py): bits, levels,
-// scale_kind, block, d1, inner, stochastic.
-inline void read_codec(CodecDesc& c, const int64_t* cols) {
-  c.bits = static_cast<int32_t>(cols[0]);
-  c.levels = static_cast<int32_t>(cols[1]);
-  c.scale_kind = static_cast<int32_t>(cols[2]);
-  c.block = cols[3];
-  c.d1 = cols[4];
-  c.inner = cols[5];
-  c.stochastic = static_cast<int32_t>(cols[6]);
+// Re-points every table pointer of a codec described against the tables at `old_base` at the
+// same table in a copy of those tables at `new_base` (the CUDA driver's device copy).
+inline void rebase_tables(CodecDesc& c, const float* old_base, const float* new_base) {
+  point_tables(c, new_base + (c.base - old_base));
+}
+
+// A codec's layout from its kCodecLen int64 fields (layout.h kCodec*), as the `meta` columns of a
+// state or the codec list of encode / decode hold them.
+inline void read_codec(CodecDesc& c, const int64_t* fields) {
+  c.bits = static_cast<int32_t>(fields[kCodecBits]);
+  c.levels = static_cast<int32_t>(fields[kCodecLevels]);
+  c.scale_kind = static_cast<int32_t>(fields[kCodecScaleKind]);
+  c.block = fields[kCodecBlock];
+  c.d1 = fields[kCodecD1];
+  c.inner = fields[kCodecInner];
+  c.stochastic = static_cast<int32_t>(fields[kCodecStochastic]);
 }
 
 // Whether a codec description from Python is one the kernels can run on an `ndim`-D tensor.
@@ -150,6 +154,12 @@ struct TensorDesc {
   int64_t rows_per_chunk = 0;    // fixed row chunking of pass 1 (independent of thread count)
 };
 
+// rebase_tables of every quantized state of a tensor: its two states and the Kahan buffer.
+inline void rebase_tables(TensorDesc& t, const float* old_base, const float* new_base) {
+  for (StateDesc* st : {&t.st[0], &t.st[1], &t.comp})
+    if (st->kind == kQuant) rebase_tables(st->codec, old_base, new_base);
+}
+
 // A unit of parallel work: elements [start, start + len) of one tensor, or (pass 1 of a factored
 // tensor) rows chunk `start`.
 struct WorkItem {
@@ -168,7 +178,6 @@ enum Phase : int32_t {
 struct StepContext {
   int32_t rule = kRuleAdam;
   TensorDesc* tensors = nullptr;
-  int32_t num_tensors = 0;
   int32_t max_tile = 0;
 };
 

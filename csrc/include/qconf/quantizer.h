@@ -1,0 +1,332 @@
+// The CPU tile kernels' fast quantizers (part 2 of 3 of the per-ISA step template, see
+// tile_codec.h): register-held search tables (Probe16, Search256), the arithmetic shortcuts
+// (midpoint grid, octave lines), FastQuantizer and quantize_fast for 4/8-bit states, and the
+// per-vector / per-element fills of old scales and new reciprocals they read.
+
+// per-element values of a scale layout for the tile: scales combined with fmin (dequantize) or
+// reciprocals combined with fmax (quantize)
+inline void fill_per_element(const CodecDesc& c, const TensorDesc& t, const float* vals, bool use_min,
+                             int64_t start, int64_t n, float* out) {
+  for_each_scale_run(c, t, vals, use_min, start, n,
+                     [&](int64_t off, int64_t len, float cv, const float* vec, bool comb) {
+                       float* o = out + off;
+                       int64_t j = 0;
+                       if (vec == nullptr) {
+                         const F v(cv);
+                         for (; j + W <= len; j += W) Isa::store(o + j, v);
+                         for (; j < len; ++j) o[j] = cv;
+                       } else if (!comb) {
+                         for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(vec + j));
+                         for (; j < len; ++j) o[j] = vec[j];
+                       } else if (cv != cv) {  // fmin_nan / fmax_nan(NaN, x) = x
+                         for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(vec + j));
+                         for (; j < len; ++j) o[j] = vec[j];
+                       } else {  // cv is a number: one min/max that yields cv for a NaN x
+                         const F v(cv);               // (scales and reciprocals are never -0)
+                         if (use_min) {
+                           for (; j + W <= len; j += W) Isa::store(o + j, Isa::min_or(Isa::load(vec + j), v));
+                         } else {
+                           for (; j + W <= len; j += W) Isa::store(o + j, Isa::max_or(Isa::load(vec + j), v));
+                         }
+                         for (; j < len; ++j) o[j] = use_min ? fmin_nan(cv, vec[j]) : fmax_nan(cv, vec[j]);
+                       }
+                     });
+}
+
+// a <= b (Le) or a < b -- a function, not a lambda: GCC does not apply #pragma GCC target to lambdas
+template <bool Le>
+inline Isa::M cmp_le_lt(F a, F b) {
+  if constexpr (Le) return Isa::le(a, b);
+  else return Isa::lt(a, b);
+}
+
+// 16-entry register tables shifted by the binary-search step: probe(c, s) = table[c + s - 1]
+// becomes a plain permute of table_s at c (no index add). `shifted` holds table shifted by 3 then
+// by 1 (CodecDesc::shifted16_*, built once with the codec tables, not per tile).
+struct Probe16 {
+  Isa::T16 t4, t2, t1;
+  float first;  // table[7]: the first probe is the same for every lane
+  Probe16(const float* table, const float* shifted)
+      : t4(Isa::table16(shifted)), t2(Isa::table16(shifted + 16)), t1(Isa::table16(table)), first(table[7]) {}
+  // #{k < 16 : table[k] < x} (Le=false) or <= x (Le=true) for sorted, +inf padded tables
+  template <bool Le>
+  I count(F x) const {
+    I c = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(8u), I(0u));
+    c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t4, c), x), c, I(4u));
+    c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t2, c), x), c, I(2u));
+    return Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t1, c), x), c, I(1u));
+  }
+};
+
+// #{k : table[k] (<|<=) x} over a 256-entry table: 16 coarse probes in a register, 4 gathers
+template <bool Le>
+inline I count256(const Probe16& coarse, const float* table, F x) {
+  I c = coarse.count<Le>(x) << 4;
+  c = Isa::add_if(cmp_le_lt<Le>(Isa::gather(table + 7, c), x), c, I(8u));
+  c = Isa::add_if(cmp_le_lt<Le>(Isa::gather(table + 3, c), x), c, I(4u));
+  c = Isa::add_if(cmp_le_lt<Le>(Isa::gather(table + 1, c), x), c, I(2u));
+  return Isa::add_if(cmp_le_lt<Le>(Isa::gather(table, c), x), c, I(1u));
+}
+
+// #{k : table[k] (<|<=) x} over a 256-entry sorted table with register tables only: a binary
+// search over the 32 entries [8b + 7] gives the block b (copies of that table shifted by 7, 3, 1,
+// CodecDesc::shifted32_*, make each probe a plain permute), then a 3-level binary search inside the block over the 7 "column"
+// tables (column j holds [8b + j] for every b), whose probes are permutes by b blended by the
+// earlier levels' outcomes: 8 compares in all.
+struct Search256 {
+  Isa::T32 coarse8, coarse4, coarse2, coarse1;  // coarse[b + 7], [b + 3], [b + 1], [b]
+  Isa::T32 cols[7];
+  float first;
+  Search256(const float* coarse32, const float* shifted, const float* columns) {
+    coarse8 = Isa::table32(shifted);
+    coarse4 = Isa::table32(shifted + 32);
+    coarse2 = Isa::table32(shifted + 64);
+    coarse1 = Isa::table32(coarse32);
+    for (int j = 0; j < 7; ++j) cols[j] = Isa::table32(columns + 32 * j);
+    first = coarse32[15];
+  }
+  template <bool Le>
+  I count(F x) const {
+    I b = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(16u), I(0u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse8, b), x), b, I(8u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse4, b), x), b, I(4u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse2, b), x), b, I(2u));
+    b = Isa::add_if(cmp_le_lt<Le>(Isa::lookup32(coarse1, b), x), b, I(1u));
+    // inside block b: [8b + 3], then [8b + 1] or [8b + 5], then [8b + 0 | 2 | 4 | 6]
+    const auto k4 = cmp_le_lt<Le>(Isa::lookup32(cols[3], b), x);
+    const F t2 = Isa::select(k4, Isa::lookup32(cols[5], b), Isa::lookup32(cols[1], b));
+    const auto k2 = cmp_le_lt<Le>(t2, x);
+    const F lo = Isa::select(k2, Isa::lookup32(cols[2], b), Isa::lookup32(cols[0], b));
+    const F hi = Isa::select(k2, Isa::lookup32(cols[6], b), Isa::lookup32(cols[4], b));
+    const auto k1 = cmp_le_lt<Le>(Isa::select(k4, hi, lo), x);
+    I c = b << 3;
+    c = Isa::add_if(k4, c, I(4u));
+    c = Isa::add_if(k2, c, I(2u));
+    return Isa::add_if(k1, c, I(1u));
+  }
+};
+
+// How nearest rounding finds a code: the binary search over the midpoints, or one of two
+// arithmetic shortcuts that the codec table enables only where they are exact for every input.
+enum Near : int { kNearSearch = 0, kNearGrid = 1, kNearLinesUnsigned = 2, kNearLinesSigned = 3 };
+
+// kNearGrid: nearest rounding onto a map whose midpoints are an exact binary grid (CodecDesc::grid):
+// no search. With z = n * L exact (L a power of two) and c = o + 1/2, o >= 0: z - c is exact
+// whenever z >= c / 2 (Sterbenz, or c a multiple of ulp(z)), and negative otherwise, so
+// ceil(z - c) clamped to [0, levels-1] is #{k : mid_k < n}; NaN converts to INT32_MIN -> code 0,
+// +inf is capped first -> the top code, like the search.
+// kNearLines*: 8-bit maps that are linear per octave of |n| (the smaller of two lines each:
+// qconf/codec/octave_lines.py, which proves the estimate for every float32): j = a * S + A
+// (mirrored, K - j, for negative n of signed maps) lands within one code below the answer, so
+// r = clamp(rint(j)) and one probe of the midpoints, r + (mid[r] < n), replace the 8-compare
+// search: ~2/3 of the operations and a much shorter dependency chain.
+template <int BITS, bool SR, int NEAR = kNearSearch>
+struct FastQuantizer {
+  const StateDesc& st;
+  Probe16 near, sr;
+  F q0, qL;
+  I lo_max;
+  Isa::T16 qmap16;
+  Search256 near256, sr256;
+  Isa::T256 qmap256;
+  explicit FastQuantizer(const StateDesc& s)
+      : st(s),
+        near(BITS == 4 ? s.codec.mids : s.codec.coarse_mids,
+             BITS == 4 ? s.codec.shifted16_mids : s.codec.shifted16_coarse_mids),
+        sr(BITS == 4 ? s.codec.qsearch : s.codec.coarse_qsearch,
+           BITS == 4 ? s.codec.shifted16_qsearch : s.codec.shifted16_coarse_qsearch),
+        q0(s.codec.qmap[0]),
+        qL(s.codec.qmap[s.codec.levels - 1]),
+        lo_max(static_cast<uint32_t>(s.codec.levels - 2)),
+        qmap16(Isa::table16(s.codec.qmap)),
+        near256(s.codec.coarse32_mids, s.codec.shifted32_mids, s.codec.cols_mids),
+        sr256(s.codec.coarse32_qsearch, s.codec.shifted32_qsearch, s.codec.cols_qsearch),
+        qmap256(Isa::table256(s.codec.qmap)),
+        grid_L(s.codec.grid[kGridL]),
+        grid_c(s.codec.grid[kGridC]),
+        grid_cap(static_cast<float>(s.codec.levels)),
+        top(static_cast<uint32_t>(s.codec.levels - 1)),
+        slope1(Isa::table32(s.codec.lines + kLinesSlope1)),
+        offset1(Isa::table32(s.codec.lines + kLinesOffset1)),
+        slope2(Isa::table32(s.codec.lines + kLinesSlope2)),
+        offset2(Isa::table32(s.codec.lines + kLinesOffset2)),
+        mirror(s.codec.lines[kLinesMirror]),
+        mids256(Isa::table256p(s.codec.mids, s.codec.mids_words, s.codec.mids_bytes)) {}
+  F grid_L, grid_c, grid_cap;
+  I top;
+  Isa::T32 slope1, offset1, slope2, offset2;
+  F mirror;
+  Isa::T256P mids256;
+  static constexpr bool kLines = NEAR == kNearLinesUnsigned || NEAR == kNearLinesSigned;
+
+  // kNearLines*: the line estimate r; the code is r or r + 1
+  I line_index(F n) const {
+    static_assert(BITS == 8 && Isa::kPermute256, "octave lines index 32-entry register tables");
+    // a = max(n, 2^-31) (NaN, negatives -> 2^-31) or |n|, capped below 2 (NaN stays); its
+    // biased exponent, at least 96, is the octave (the permutes read it mod 32)
+    F a;
+    I o;
+    if constexpr (NEAR == kNearLinesUnsigned) {
+      a = Isa::min_or(F(1.99999988f), Isa::max_or(n, F(4.65661287e-10f)));
+      o = Isa::bits(a) >> 23;
+    } else {
+      a = Isa::min_or(F(1.99999988f), Isa::from_bits(Isa::bits(n) & I(0x7fffffffu)));
+      o = Isa::max_i(Isa::bits(a) >> 23, I(96u));
+    }
+    // the smaller of the octave's two lines (one line: the same twice), each one fused
+    // multiply-add; NaN stays NaN
+    F j = Isa::min_or(qfma(a, Isa::lookup32(slope1, o), Isa::lookup32(offset1, o)),
+                      qfma(a, Isa::lookup32(slope2, o), Isa::lookup32(offset2, o)));
+    if constexpr (NEAR == kNearLinesSigned) j = Isa::select(Isa::lt(n, F(0.0f)), mirror - j, j);
+    // octave_lines checked 0 <= r < 256 (the padded midpoint table) for every input but NaN,
+    // which only the signed form lets through (INT32_MIN -> 0)
+    const I r = Isa::rint_to_int(j);
+    if constexpr (NEAR == kNearLinesSigned) return Isa::max_i(r, I(0u));
+    else return r;
+  }
+  // the nearest codes of Isa::kGroup vectors: one probe of the midpoints for all
+  void code_group(const F* n, I* c) const {
+    constexpr int G = Isa::kGroup;
+    I r[G];
+    F m[G];
+    for (int h = 0; h < G; ++h) r[h] = line_index(n[h]);
+    Isa::lookup256n(mids256, r, m);
+    for (int h = 0; h < G; ++h) c[h] = Isa::add_if(Isa::lt(m[h], n[h]), r[h], I(1u));
+  }
+
+  I count_near(F n) const {
+    if constexpr (kLines) {  // (a tile's last vectors, fewer than a group)
+      F ns[Isa::kGroup];
+      I c[Isa::kGroup];
+      for (int h = 0; h < Isa::kGroup; ++h) ns[h] = n;
+      code_group(ns, c);
+      return c[0];
+    }
+    if constexpr (NEAR == kNearGrid) {
+      F y = n * grid_L - grid_c;
+      y = Isa::min_or(grid_cap, y);  // cap +inf (keeps NaN: min_or yields y when y is NaN)
+      return Isa::min_i(Isa::max_i(Isa::ceil_to_int(y), I(0u)), top);
+    }
+    if constexpr (BITS == 4) return near.count<false>(n);
+    else if constexpr (Isa::kPermute256) return near256.count<false>(n);
+    else return count256<false>(near, st.codec.mids, n);
+  }
+  I count_sr(F n) const {
+    if constexpr (BITS == 4) return sr.count<true>(n);
+    else if constexpr (Isa::kPermute256) return sr256.count<true>(n);
+    else return count256<true>(sr, st.codec.qsearch, n);
+  }
+
+  I code(F n, uint64_t first) const {
+    if constexpr (!SR) {
+      return count_near(n);
+    } else {
+      F nc = Isa::select(Isa::lt(n, q0), q0, n);
+      nc = Isa::select(Isa::gt(nc, qL), qL, nc);
+      const I cnt = count_sr(nc);
+      const I lo = Isa::min_i(Isa::max_i(cnt - I(1u), I(0u)), lo_max);
+      const F q_lo = BITS == 4 ? Isa::lookup16(qmap16, lo) : Isa::lookup256(qmap256, lo);
+      const F q_hi = BITS == 4 ? Isa::lookup16(qmap16, lo + I(1u)) : Isa::lookup256(qmap256, lo + I(1u));
+      const F p_up = qdiv(nc - q_lo, q_hi - q_lo);
+      const I code = Isa::add_if(Isa::lt(uniforms(st.key, first), p_up), lo, I(1u));
+      return Isa::select_i(Isa::isnan(n), I(0u), code);
+    }
+  }
+
+  static void store(uint8_t* codes, I code, int64_t e) {
+    if constexpr (BITS == 4) Isa::pack4(codes + e / 2, code);
+    else Isa::pack8(codes + e, code);
+  }
+
+  // normalized values of vector j: one reciprocal per vector (0 for a zero block: 0 * 0
+  // normalizes to 0 like the reference), or per element (inf marks a zero scale)
+  struct PerVector {
+    const float *x, *r;
+    F operator()(int64_t j) const { return Isa::load(x + j) * F(r[j / W]); }
+  };
+  struct PerElement {
+    const float *x, *r;
+    F operator()(int64_t j) const { return normalize_v(Isa::load(x + j), Isa::load(r + j)); }
+  };
+  // codes of elements first..first+len-1 (len a multiple of W) from norm(0), norm(W), ... The
+  // codes pointer is a local: stores through uint8_t* may alias anything, so st.codes would be
+  // reloaded after every store.
+  template <class Norm>
+  void run(Norm norm, int64_t len, int64_t first, NextLines& next) const {
+    uint8_t* const codes = st.codes;
+    NextLines nx = next;  // (a local, for the same reason)
+    int64_t j = 0;
+    if constexpr (kLines) {
+      constexpr int G = Isa::kGroup;
+      F n[G];
+      I c[G];
+      for (; j + G * W <= len; j += G * W) {
+        if (j % kQuantizeStride == 0) nx.step();
+        for (int h = 0; h < G; ++h) n[h] = norm(j + h * W);
+        code_group(n, c);
+        Isa::pack8n(codes + first + j, c);
+      }
+    }
+    for (; j < len; j += W) {
+      if (j % kQuantizeStride == 0) nx.step();
+      store(codes, code(norm(j), first + j), first + j);
+    }
+    next = nx;
+  }
+};
+
+inline float run_recip(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
+
+template <int BITS, bool SR, int NEAR = kNearSearch>
+void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf,
+                   NextLines& next) {
+  const FastQuantizer<BITS, SR, NEAR> q(st);
+  if (!st.two_pass) {
+    // all the tile's new block scales first (their reductions and divisions overlap), then one
+    // quantize loop over the tile with a reciprocal per vector
+    const int64_t B = st.codec.block;
+    int64_t blk = start / B;
+    for (int64_t off = 0; off < n; ++blk) {
+      const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
+      const float s = scale_from_absmax_bits(absmax_bits(x + off, len));
+      st.scales[blk] = s;
+      const F r(run_recip(s));  // per vector; whole-register stores (Buffers has room to spare)
+      for (int64_t v = off / W; v < (off + len) / W; v += W) Isa::store(rbuf + v, r);
+      off += len;
+    }
+    q.run(typename FastQuantizer<BITS, SR, NEAR>::PerVector{x, rbuf}, n, start, next);
+  } else {
+    fill_per_element(st.codec, t, st.new_recip, false, start, n, rbuf);
+    q.run(typename FastQuantizer<BITS, SR, NEAR>::PerElement{x, rbuf}, n, start, next);
+  }
+}
+
+// 8-bit nearest rounding by octave lines when the codec has them (form 1 or 2) and the ISA
+// holds 32-entry tables in registers; false: the caller searches
+inline bool quantize_lines(int form, const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n,
+                           const float* x, float* rbuf, NextLines& next) {
+  if constexpr (Isa::kPermute256) {
+    if (form == 1) quantize_fast<8, false, kNearLinesUnsigned>(st, t, start, n, x, rbuf, next);
+    if (form == 2) quantize_fast<8, false, kNearLinesSigned>(st, t, start, n, x, rbuf, next);
+    return form == 1 || form == 2;
+  } else {
+    return false;
+  }
+}
+
+// Whether the 4/8-bit register paths apply to this state in this tile: whole vectors, and every
+// one old scale per vector of a single-pass block state (blocks are whole vectors: state_io),
+// in whole-register stores: a block's last store may run up to W-1 entries past its vectors (the
+// next block's stores overwrite them; Buffers leaves room after the tile's last vector)
+inline void fill_per_vector(const CodecDesc& c, const float* scales, int64_t start, int64_t n, float* out) {
+  const int64_t per_block = c.block / W;
+  int64_t blk = start / c.block, v = 0;
+  const int64_t nv = n / W;
+  for (int64_t k = (start % c.block) / W; v < nv; ++blk, k = 0) {
+    const int64_t count = per_block - k < nv - v ? per_block - k : nv - v;
+    const F s(scales[blk]);
+    for (int64_t q = 0; q < count; q += W) Isa::store(out + v + q, s);
+    v += count;
+  }
+}
+

@@ -1,0 +1,424 @@
+// The CPU tile kernels' codec stages (part 1 of 3 of the per-ISA step template: tile_codec.h,
+// quantizer.h, step_pipeline.h): dtype loads and stores, packed codes, the scale-layout walkers,
+// dequantize, the generic quantize and the absmax reductions of one tile of one tensor.
+//
+// The three headers are compiled once per ISA: each csrc/cpu/step_<isa>.cpp sets
+// `#pragma GCC target`, defines QCONF_ISA_*, and includes them (through step_cpu.h) inside
+// namespace qconf::isa_<isa> after simd.h, which defines the `Isa` traits used here.
+//
+// Tiles start at multiples of 64 elements, so the packed codes of any width start on a byte.
+
+using F = Isa::F;
+using I = Isa::I;
+constexpr int W = Isa::W;
+
+// The next work item's parameter and gradient cache lines, requested one line of each at a time
+// by the loops of the current tile: a line per 16 elements of the main loop (pass 1: of
+// rank1_reduce), or per 32 when quantize loops follow, which then request one per 64 elements
+// of each 4/8-bit state; the rest when the tile ends. (Requested all by the main loop, they came
+// in bursts that memory could not serve with two threads, while the quantize loops asked nothing.)
+struct NextLines {
+  const char* p = nullptr;
+  const char* g = nullptr;
+  int64_t p_bytes = 0, g_bytes = 0, off = 0;
+  int64_t main_elems = 16;  // main-loop elements per step (a power of two, at least W)
+  void step() {
+    if (off < p_bytes) __builtin_prefetch(p + off, 1);
+    if (off < g_bytes) __builtin_prefetch(g + off, 0);
+    off += 64;
+  }
+  void finish() {
+    while (off < p_bytes || off < g_bytes) step();
+  }
+};
+constexpr int64_t kQuantizeStride = 64;  // elements per step of each quantized state
+constexpr int64_t kPrefetch = 1024;  // elements ahead (one tile)
+
+// ---------------------------------------------------------------------------------------------
+// dtype conversion
+inline void load_as_f32(const void* src, int32_t dtype, int64_t start, int64_t n, float* dst) {
+  int64_t i = 0;
+  if (dtype == kF32) {
+    const float* s = static_cast<const float*>(src) + start;
+    for (; i + W <= n; i += W) Isa::store(dst + i, Isa::load(s + i));
+    for (; i < n; ++i) dst[i] = s[i];
+  } else if (dtype == kBF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+    for (; i + W <= n; i += W) Isa::store(dst + i, Isa::load_bf16(s + i));
+    for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+  } else {
+    const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+    for (; i + W <= n; i += W) Isa::store(dst + i, Isa::load_f16(s + i));
+    for (; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+  }
+}
+
+// bf16 pattern (low 16 bits of the lanes) of x, round to nearest even, NaN quiet
+inline I bf16_rne_bits(F x) {
+  const I u = Isa::bits(x);
+  const I rounded = (u + I(0x7fffu) + ((u >> 16) & I(1u))) >> 16;
+  return Isa::select_i(Isa::isnan(x), (u >> 16) | I(0x40u), rounded);
+}
+
+// bf16 stochastic rounding of x with the random bits h (the top 16 bits are used)
+inline I bf16_sr_bits(F x, I h) {
+  const I u = Isa::bits(x);
+  const I exp_mask(0x7f800000u);
+  const auto nonfinite = Isa::eq_i(u & exp_mask, exp_mask);
+  I v = (u + (h >> 16)) & I(0xffff0000u);
+  v = Isa::select_i(Isa::eq_i(v & exp_mask, exp_mask), (u & I(0x80000000u)) | I(0x7f7f0000u), v);
+  const I special = (u >> 16) | Isa::select_i(Isa::isnan(x), I(0x40u), I(0u));
+  return Isa::select_i(nonfinite, special, v >> 16);
+}
+
+// Round to nearest even into a bf16/fp16 tensor (fp32 params are updated in place instead).
+inline void store_from_f32(void* dst, int32_t dtype, int64_t start, int64_t n, const float* src) {
+  int64_t i = 0;
+  uint16_t* d = static_cast<uint16_t*>(dst) + start;
+  if (dtype == kBF16) {
+    for (; i + W <= n; i += W) Isa::store_u16(d + i, bf16_rne_bits(Isa::load(src + i)));
+    for (; i < n; ++i) d[i] = f32_to_bf16_rne(src[i]);
+  } else {
+    for (; i + W <= n; i += W) Isa::store_f16(d + i, Isa::load(src + i));
+    for (; i < n; ++i) d[i] = f32_to_f16_rne(src[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// packed codes (start is a multiple of 8, so the tile owns whole bytes)
+inline void unpack_codes(const uint8_t* packed, int bits, int64_t start, int64_t n, uint32_t* out) {
+  const uint8_t* src = packed + start * bits / 8;
+  int64_t i = 0;
+  if (bits == 8) {
+    if constexpr (Isa::kFastPack) {
+      for (; i + W <= n; i += W) Isa::store_i(out + i, Isa::unpack8(src + i));
+    }
+    for (; i < n; ++i) out[i] = src[i];
+    return;
+  }
+  if (bits == 4) {
+    if constexpr (Isa::kFastPack) {
+      for (; i + W <= n; i += W) Isa::store_i(out + i, Isa::unpack4(src + i / 2));
+    }
+    for (; i < n; ++i) out[i] = (src[i / 2] >> ((i & 1) * 4)) & 0xFu;
+    return;
+  }
+  const uint32_t mask = (1u << bits) - 1u;
+  for (; i < n; i += 8) {  // 8 codes = `bits` bytes = one little-endian word
+    const int64_t count = n - i < 8 ? n - i : 8;
+    const int nbytes = static_cast<int>((count * bits + 7) / 8);
+    const uint8_t* b = src + (i / 8) * bits;
+    uint64_t word = 0;
+    for (int k = 0; k < nbytes; ++k) word |= static_cast<uint64_t>(b[k]) << (8 * k);
+    for (int64_t j = 0; j < count; ++j) out[i + j] = static_cast<uint32_t>(word >> (j * bits)) & mask;
+  }
+}
+
+inline void pack_codes(const uint32_t* in, int bits, int64_t start, int64_t n, uint8_t* packed) {
+  uint8_t* dst = packed + start * bits / 8;
+  int64_t i = 0;
+  if (bits == 8) {
+    if constexpr (Isa::kFastPack) {
+      for (; i + W <= n; i += W) Isa::pack8(dst + i, Isa::load_i(in + i));
+    }
+    for (; i < n; ++i) dst[i] = static_cast<uint8_t>(in[i]);
+    return;
+  }
+  if (bits == 4) {
+    if constexpr (Isa::kFastPack) {
+      for (; i + W <= n; i += W) Isa::pack4(dst + i / 2, Isa::load_i(in + i));
+    }
+    for (; i + 1 < n; i += 2) dst[i / 2] = static_cast<uint8_t>(in[i] | (in[i + 1] << 4));
+    if (i < n) dst[i / 2] = static_cast<uint8_t>(in[i]);  // odd tail: high nibble stays 0
+    return;
+  }
+  for (; i < n; i += 8) {
+    const int64_t count = n - i < 8 ? n - i : 8;
+    uint64_t word = 0;
+    for (int64_t j = 0; j < count; ++j) word |= static_cast<uint64_t>(in[i + j]) << (j * bits);
+    const int nbytes = static_cast<int>((count * bits + 7) / 8);
+    uint8_t* b = dst + (i / 8) * bits;
+    for (int k = 0; k < nbytes; ++k) b[k] = static_cast<uint8_t>(word >> (8 * k));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// scale layout walkers (the index arithmetic is qconf/scale_walk.h, shared with the CUDA kernels;
+// these loops call the ISA code's lambdas, so they live here, in the ISA namespace)
+
+// Calls fn(off, len, lead, nlead, col) for each run of the tile [start, start+n) inside one row
+// of a rank1 layout (see Rank1Rows).
+template <class Fn>
+inline void for_each_rank1_row(const TensorDesc& t, int64_t start, int64_t n, Fn&& fn) {
+  Rank1Rows rows;
+  rows.begin(t, start, n);
+  while (rows.next()) fn(rows.off, rows.len, rows.lead, rows.nlead, rows.col);
+}
+
+// Calls fn(offset, len, c, vec, combine) for each run of elements of the tile [start, start+n)
+// whose per-element value is `c` (vec == nullptr), `vec[j]`, or combine(c, vec[j]) (rank1).
+// `vals` is the per-stored-scale array (scales or reciprocals). One loop per walk mode, so each
+// call of fn is specialized on the run's form.
+template <class Fn>
+inline void for_each_scale_run(const CodecDesc& c, const TensorDesc& t, const float* vals, bool use_min,
+                               int64_t start, int64_t n, Fn&& fn) {
+  ScaleRuns runs(c, t, vals, use_min, start, n);
+  ScaleRun r;
+  switch (runs.mode) {
+    case ScaleRuns::kBlockRuns:
+      while (runs.next_of<ScaleRuns::kBlockRuns>(r)) fn(r.off, r.len, r.value, r.vec, r.comb);
+      break;
+    case ScaleRuns::kDim1Vector:
+      while (runs.next_of<ScaleRuns::kDim1Vector>(r)) fn(r.off, r.len, r.value, r.vec, r.comb);
+      break;
+    case ScaleRuns::kDim1Runs:
+      while (runs.next_of<ScaleRuns::kDim1Runs>(r)) fn(r.off, r.len, r.value, r.vec, r.comb);
+      break;
+    default:
+      while (runs.next_of<ScaleRuns::kRank1Rows>(r)) fn(r.off, r.len, r.value, r.vec, r.comb);
+      break;
+  }
+}
+
+// max of a partial maximum (abs bit patterns) and m
+inline void fold_max(uint32_t* dst, uint32_t m) { *dst = m > *dst ? m : *dst; }
+
+// ---------------------------------------------------------------------------------------------
+// dequantize: out[i] = qmap[code_i] * scale_i
+inline void dequantize(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, float* out,
+                       uint32_t* codes) {
+  const CodecDesc& c = st.codec;
+  unpack_codes(st.codes, c.bits, start, n, codes);
+  int64_t i = 0;
+  if (c.bits <= 4) {
+    const auto tab = Isa::table16(c.qmap);
+    for (; i + W <= n; i += W) Isa::store(out + i, Isa::lookup16(tab, Isa::load_i(codes + i)));
+  } else {
+    for (; i + W <= n; i += W) Isa::store(out + i, Isa::gather(c.qmap, Isa::load_i(codes + i)));
+  }
+  for (; i < n; ++i) out[i] = c.qmap[codes[i]];
+  for_each_scale_run(c, t, st.scales, true, start, n,
+                     [&](int64_t off, int64_t len, float cv, const float* vec, bool comb) {
+                       float* o = out + off;
+                       int64_t j = 0;
+                       if (vec == nullptr) {
+                         const F s(cv);
+                         for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(o + j) * s);
+                         for (; j < len; ++j) o[j] = o[j] * cv;
+                       } else if (!comb) {
+                         for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(o + j) * Isa::load(vec + j));
+                         for (; j < len; ++j) o[j] = o[j] * vec[j];
+                       } else {
+                         const F cp(cv);
+                         for (; j + W <= len; j += W)
+                           Isa::store(o + j, Isa::load(o + j) * Isa::fmin_nan(cp, Isa::load(vec + j)));
+                         for (; j < len; ++j) o[j] = o[j] * fmin_nan(cv, vec[j]);
+                       }
+                     });
+}
+
+
+// qmap[code] of n 8-bit codes (n a multiple of W) into out: Isa::kGroup vectors per lookup in
+// the map's planes, a fraction of the permutes of one vector at a time in the main loop
+inline void decode8(const CodecDesc& c, const uint8_t* codes, int64_t n, float* out) {
+  constexpr int G = Isa::kGroup;
+  const Isa::T256P t = Isa::table256p(c.qmap, c.qmap_words, c.qmap_bytes);
+  int64_t i = 0;
+  F v[G];
+  for (; i + G * W <= n; i += G * W) {
+    __builtin_prefetch(codes + i + kPrefetch, 0);  // the next tile's codes (the same tensor's, usually)
+    Isa::decode256n(t, codes + i, v);
+    for (int h = 0; h < G; ++h) Isa::store(out + i + h * W, v[h]);
+  }
+  if (i < n) {  // fewer than G vectors left: look up the last one in the unused slots
+    I idx[G];
+    for (int h = 0; h < G; ++h) idx[h] = Isa::unpack8(codes + (i + h * W < n ? i + h * W : n - W));
+    Isa::lookup256n(t, idx, v);
+    for (int h = 0; i + h * W < n; ++h) Isa::store(out + i + h * W, v[h]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantize one run of normalized values: codes[j] for n_j = normalize(x_j, r_j)
+// Register-held 16-entry tables: for bits <= 4 the whole search tables; for wider codes the
+// "coarse" entries [16k + 15] that resolve the first four levels of the binary search.
+struct SearchTables {
+  Isa::T16 near16, sr16, qmap16;
+};
+
+inline F normalize_v(F x, F r) {
+  const I inf_bits(0x7f800000u);
+  return Isa::select(Isa::eq_i(Isa::bits(r), inf_bits), F(0.0f), x * r);
+}
+
+inline I search_nearest(const CodecDesc& c, const SearchTables& tb, F n) {
+  I code(0u);
+  if (c.bits <= 4) {
+    for (uint32_t s = 8; s > 0; s >>= 1)
+      code = Isa::add_if(Isa::lt(Isa::lookup16(tb.near16, code + I(s - 1)), n), code, I(s));
+  } else {
+    for (uint32_t s = 8; s > 0; s >>= 1)
+      code = Isa::add_if(Isa::lt(Isa::lookup16(tb.near16, code + I(s - 1)), n), code, I(s));
+    code = code << 4;
+    for (uint32_t s = 8; s > 0; s >>= 1)
+      code = Isa::add_if(Isa::lt(Isa::gather(c.mids, code + I(s - 1)), n), code, I(s));
+  }
+  return code;  // NaN compares false everywhere: code 0
+}
+
+inline I search_stochastic(const CodecDesc& c, const SearchTables& tb, F n, F u) {
+  const F q0(c.qmap[0]), qL(c.qmap[c.levels - 1]);
+  const auto nan = Isa::isnan(n);
+  F nc = Isa::select(Isa::lt(n, q0), q0, n);
+  nc = Isa::select(Isa::gt(nc, qL), qL, nc);
+  I cnt(0u);  // #{k : qsearch[k] <= n}
+  for (uint32_t s = 8; s > 0; s >>= 1)
+    cnt = Isa::add_if(Isa::le(Isa::lookup16(tb.sr16, cnt + I(s - 1)), nc), cnt, I(s));
+  if (c.bits > 4) {
+    cnt = cnt << 4;
+    for (uint32_t s = 8; s > 0; s >>= 1)
+      cnt = Isa::add_if(Isa::le(Isa::gather(c.qsearch, cnt + I(s - 1)), nc), cnt, I(s));
+  }
+  I lo = Isa::max_i(cnt - I(1u), I(0u));
+  lo = Isa::min_i(lo, I(static_cast<uint32_t>(c.levels - 2)));
+  const I hi = lo + I(1u);
+  const F q_lo = c.bits <= 4 ? Isa::lookup16(tb.qmap16, lo) : Isa::gather(c.qmap, lo);
+  const F q_hi = c.bits <= 4 ? Isa::lookup16(tb.qmap16, hi) : Isa::gather(c.qmap, hi);
+  const F p_up = qdiv(nc - q_lo, q_hi - q_lo);
+  const I code = Isa::add_if(Isa::lt(u, p_up), lo, I(1u));
+  return Isa::select_i(nan, I(0u), code);
+}
+
+// the 32 random bits of elements first .. first+W-1 of a stream
+inline I hash_vec(StreamKey k, uint64_t first) {
+  if constexpr (W == 1) {
+    return hash_bits(k, first);
+  } else {
+    const uint32_t lo = static_cast<uint32_t>(first);
+    if (lo > 0xFFFFFFFFu - (W - 1)) {  // the lanes cross a 2^32 boundary: per-lane scalar
+      alignas(64) uint32_t tmp[W];
+      for (int j = 0; j < W; ++j) tmp[j] = hash_bits(k, first + j);
+      return Isa::load_i(tmp);
+    }
+    const I idx = Isa::iota() + I(lo);
+    const I h = mix32<I>(idx ^ I(k.k0));
+    return mix32<I>(h ^ I(static_cast<uint32_t>(first >> 32) + k.k1));
+  }
+}
+
+// uniforms in [0, 1) for elements first .. first+W-1 of a stream
+inline F uniforms(StreamKey k, uint64_t first) { return Isa::to_float(hash_vec(k, first) >> 8) * F(5.9604644775390625e-08f); }
+
+// Quantize x[0..len) (elements start+off .. of the tensor) with reciprocal r (const or per element).
+inline void quantize_run(const StateDesc& st, const SearchTables& tb, const float* x, int64_t len,
+                         int64_t first, float rc, const float* rvec, bool comb, uint32_t* codes) {
+  const CodecDesc& c = st.codec;
+  int64_t j = 0;
+  for (; j + W <= len; j += W) {
+    F r = rvec == nullptr ? F(rc) : (comb ? Isa::fmax_nan(F(rc), Isa::load(rvec + j)) : Isa::load(rvec + j));
+    const F n = normalize_v(Isa::load(x + j), r);
+    I code;
+    if (!c.stochastic) code = search_nearest(c, tb, n);
+    else code = search_stochastic(c, tb, n, st.noise ? Isa::load(st.noise + first + j) : uniforms(st.key, first + j));
+    Isa::store_i(codes + j, code);
+  }
+  for (; j < len; ++j) {
+    const float r = rvec == nullptr ? rc : (comb ? fmax_nan(rc, rvec[j]) : rvec[j]);
+    const float n = normalize(x[j], r);
+    const float u = !c.stochastic ? 0.0f : (st.noise ? st.noise[first + j] : uniform01(hash_bits(st.key, first + j)));
+    codes[j] = static_cast<uint32_t>(c.stochastic ? quantize_stochastic(n, u, c.qmap, c.qsearch, c.levels, c.bits)
+                                                  : quantize_nearest(n, c.mids, c.bits));
+  }
+}
+
+inline uint32_t absmax_bits(const float* x, int64_t n) {
+  I acc(0u);
+  const I mask(0x7fffffffu);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) acc = Isa::max_u(acc, Isa::bits(Isa::load(x + j)) & mask);
+  uint32_t m = Isa::hmax_u(acc);
+  for (; j < n; ++j) {
+    const uint32_t b = abs_bits(x[j]);
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+inline SearchTables tables_of(const CodecDesc& c) {
+  SearchTables tb;
+  tb.near16 = Isa::table16(c.bits <= 4 ? c.mids : c.coarse_mids);
+  tb.sr16 = Isa::table16(c.bits <= 4 ? c.qsearch : c.coarse_qsearch);
+  tb.qmap16 = Isa::table16(c.qmap);
+  return tb;
+}
+
+// Quantize the tile's new values x[0..n) into the state's codes (and block scales when the state
+// is single-pass).
+inline void quantize(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x,
+                     uint32_t* codes) {
+  const CodecDesc& c = st.codec;
+  const SearchTables tb = tables_of(c);
+  if (!st.two_pass) {  // kBlock with whole blocks in the tile: new scale per block, then quantize
+    const int64_t B = c.block;
+    for (int64_t off = 0; off < n;) {
+      const int64_t blk = (start + off) / B;
+      const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
+      const float s = scale_from_absmax_bits(absmax_bits(x + off, len));
+      st.scales[blk] = s;
+      quantize_run(st, tb, x + off, len, start + off, 1.0f / s, nullptr, false, codes + off);
+      off += len;
+    }
+  } else {
+    for_each_scale_run(c, t, st.new_recip, false, start, n,
+                       [&](int64_t off, int64_t len, float cv, const float* vec, bool comb) {
+                         quantize_run(st, tb, x + off, len, start + off, cv, vec, comb, codes + off);
+                       });
+  }
+  pack_codes(codes, c.bits, start, n, st.codes);
+}
+
+// Pass 1: fold the tile's new values into this thread's absmax partials (bits, NaN-propagating).
+inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x,
+                          uint32_t* partial) {
+  const CodecDesc& c = st.codec;
+  const I mask(0x7fffffffu);
+  auto fold_vec = [&](uint32_t* dst, const float* v, int64_t len) {
+    int64_t j = 0;
+    for (; j + W <= len; j += W)
+      Isa::store_i(dst + j, Isa::max_u(Isa::load_i(dst + j), Isa::bits(Isa::load(v + j)) & mask));
+    for (; j < len; ++j) {
+      const uint32_t b = abs_bits(v[j]);
+      dst[j] = b > dst[j] ? b : dst[j];
+    }
+  };
+  const int64_t end = start + n;
+  if (c.scale_kind == kBlock) {
+    for (int64_t i = start; i < end;) {
+      const int64_t blk = i / c.block;
+      const int64_t e = (blk + 1) * c.block < end ? (blk + 1) * c.block : end;
+      fold_max(partial + blk, absmax_bits(x + (i - start), e - i));
+      i = e;
+    }
+  } else if (c.scale_kind == kDim1) {
+    for (int64_t i = start; i < end;) {
+      if (c.inner == 1) {
+        const int64_t c0 = i % c.d1;
+        const int64_t e = i + (c.d1 - c0) < end ? i + (c.d1 - c0) : end;
+        fold_vec(partial + c0, x + (i - start), e - i);
+        i = e;
+      } else {
+        const int64_t run = i / c.inner;
+        const int64_t e = (run + 1) * c.inner < end ? (run + 1) * c.inner : end;
+        fold_max(partial + run % c.d1, absmax_bits(x + (i - start), e - i));
+        i = e;
+      }
+    }
+  } else {
+    for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
+      const float* v = x + off;
+      const uint32_t m = absmax_bits(v, len);
+      for (int k = 0; k < nlead; ++k) fold_max(partial + lead[k], m);
+      fold_vec(partial + col, v, len);
+    });
+  }
+}
