@@ -57,22 +57,5 @@ def layout() -> Mapping[str, int]:
     ``csrc/include/qconf/layout.h`` for every key). Raises RuntimeError without the extension."""
     if _C is None:
         raise RuntimeError(f"the native layout needs the extension qconf._C ({native_error()})")
-    if not hasattr(torch.ops.qconf, "layout"):  # TEMP-LAYOUT-SHIM: remove once the kernels branch lands
-        return types.MappingProxyType(_TEMP_LAYOUT)
     return types.MappingProxyType(dict(torch.ops.qconf.layout()))
 
-
-_TEMP_LAYOUT = {  # TEMP-LAYOUT-SHIM
-    **{f"hyper.{n}": i for i, n in enumerate("lr beta1 beta2 eps weight_decay momentum dampening maximize nesterov "
-                                               "decoupled len".split())},
-    "meta.index": 0, "meta.first": 1, "meta.factored": 2, "meta.ndim": 3, "meta.shape": 4, "meta.state0": 12,
-    "meta.state1": 21, "meta.weights": 30, "meta.comp": 31, "meta.cols": 40,
-    "state.kind": 0, "state.table": 1, "state.codec": 2, "state.cols": 9,
-    **{f"codec.{n}": i for i, n in enumerate("bits levels scale_kind block d1 inner stochastic len".split())},
-    "encode.num_scales": 7, "encode.len": 8,
-    **{f"slot.{n}": i for i, n in enumerate("state0 state0_scales state1 state1_scales row col comp comp_scales "
-                                              "len".split())},
-    "kind.none": 0, "kind.fp32": 1, "kind.quant": 2, "kind.param_dtype": 3,
-    "scale.block": 0, "scale.dim1": 1, "scale.rank1": 2, "rule.adam": 0, "rule.sgd": 1, "rule.lion": 2,
-    "weights.stochastic": 1, "weights.kahan": 2, "table.rows": 12, "table.size": 256, "max_dims": 8,
-}

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import qconf
+from qconf import _native
 from qconf.optim import SGD, Adam, AdamW, Lion
 
-ops = pytest.importorskip("qconf.ops")
-if not ops.fused_available():  # pragma: no cover - the CI build always has the extension
-    pytest.skip(f"fused kernels unavailable: {ops.native_error()}", allow_module_level=True)
+if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
+    pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
 
 KEYS = {
     "hyper.lr", "hyper.beta1", "hyper.beta2", "hyper.eps", "hyper.weight_decay", "hyper.momentum",
