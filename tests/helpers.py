@@ -79,3 +79,14 @@ def assert_same_state(a: dict, b: dict) -> None:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
         else:
             assert a[k] == b[k], k
+
+
+def host_extension(name: str, source: str, functions: list[str], build_directory: Path):
+    """Compile C++ ``source`` (which includes csrc/include headers) for the host, as the native
+    extension is compiled (no fp contraction), exposing ``functions``; returns the module."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name=name, cpp_sources=[source], functions=functions,
+                       extra_include_paths=[str(ROOT / "csrc" / "include")],
+                       extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off"],
+                       build_directory=str(build_directory), verbose=False)

@@ -19,12 +19,12 @@ the CUDA driver does (with the CPU as the device), and checks the properties the
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import host_extension
+
 
 SOURCE = r"""
 #include <cstddef>
@@ -205,12 +205,7 @@ DEVICE_BASE = 0x7F0000000000
 
 @pytest.fixture(scope="module")
 def ext(tmp_path_factory):
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(name="qconf_cuda_plan_host", cpp_sources=[SOURCE], functions=FUNCTIONS,
-                       extra_include_paths=[str(ROOT / "csrc" / "include")],
-                       extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off"],
-                       build_directory=str(tmp_path_factory.mktemp("cuda_plan_host_build")), verbose=False)
+    return host_extension("qconf_cuda_plan_host", SOURCE, FUNCTIONS, tmp_path_factory.mktemp("cuda_plan_host_build"))
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +410,7 @@ def _check_scratch(out, L, K):
     assert S["recip"] >= S["zeroed"] and S["new_scale"] >= S["recip"] + S["n_partial"]
     assert S["row_sum"] >= S["new_scale"] + S["n_partial"] and S["row_factor"] >= S["row_sum"] + S["n_rows"]
     assert S["total"] >= S["row_factor"] + S["n_rows"]
-    partial, recip, new_scale, copies_expected = [], [], [], set()
+    partial, recip, copies_expected = [], [], set()
     for i, t in enumerate(out["tensors"]):
         if t["numel"] == 0:
             continue

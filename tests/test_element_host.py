@@ -12,7 +12,6 @@ qconf.optim. The scalars come from qconf/step_host.h's make_scalars, which both 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,8 @@ from qconf.codec.scales import compute_scales
 from qconf.optim import SGD, Adam, AdamW, Lion
 from qconf.optim.fused import hyper_values
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import host_extension
+
 
 SOURCE = r"""
 #include <vector>
@@ -134,12 +134,7 @@ FUNCTIONS = ["nearest", "stochastic", "to_bf16", "to_f16", "from_half_bits", "ke
 
 @pytest.fixture(scope="module")
 def ext(tmp_path_factory):
-    from torch.utils.cpp_extension import load_inline
-
-    return load_inline(name="qconf_element_host", cpp_sources=[SOURCE], functions=FUNCTIONS,
-                       extra_include_paths=[str(ROOT / "csrc" / "include")],
-                       extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off"],
-                       build_directory=str(tmp_path_factory.mktemp("element_host_build")), verbose=False)
+    return host_extension("qconf_element_host", SOURCE, FUNCTIONS, tmp_path_factory.mktemp("element_host_build"))
 
 
 def _tables(codec: Codec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
