@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from .. import ops  # noqa: F401  (loads qconf._C, which registers torch.ops.qconf: cpu_isa below)
+from .. import _native  # noqa: F401  (the native probe loads qconf._C, which registers torch.ops.qconf.cpu_isa)
 from .roster import BASELINE, Contender, matches
 from .rss import measure_rss
 from .tensors import copy_for, make_base, state_bytes_per_param
