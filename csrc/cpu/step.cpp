@@ -26,7 +26,7 @@ namespace qconf {
 namespace {
 
 // tile sizes, Scalars, codec parsing: shared with the CUDA driver (qconf/step_host.h)
-using host::kFactorChunks;
+using host::factor_chunks;
 constexpr int64_t kCacheBatchBytes = 8 << 20;  // gradient bytes of two-pass tensors per batch
 
 // The work items of tensor i: its tiles.
@@ -52,9 +52,6 @@ void run_phase(RunItemsFn fn, const StepContext& ctx, const std::vector<WorkItem
   });
 }
 
-// Row chunks of a factored tensor's factor pass (fixed: the sums do not depend on the threads).
-int64_t factor_chunks(const TensorDesc& t) { return (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk; }
-
 // Floats of factored scratch: row sums, row factors, per row chunk column sums [batch][C].
 int64_t factored_scratch(const TensorDesc& t) {
   return 2 * t.rows + factor_chunks(t) * (t.rows / t.shape[t.ndim - 2]) * t.cols;
@@ -72,10 +69,7 @@ void assign_scratch(CpuWorkspace& ws, std::vector<TensorDesc>& descs, int nthrea
       need_u += static_cast<size_t>(nthreads) * st.num_scales;
       need_f += static_cast<size_t>(2 * st.num_scales);
     }
-    if (t.factored) {
-      t.rows_per_chunk = (t.rows + kFactorChunks - 1) / kFactorChunks;
-      need_f += static_cast<size_t>(factored_scratch(t));
-    }
+    if (t.factored) need_f += static_cast<size_t>(factored_scratch(t));
   }
   ws.scratch_f.assign(need_f, 0.0f);
   ws.scratch_u.assign(need_u, 0u);

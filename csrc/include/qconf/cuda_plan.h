@@ -216,8 +216,7 @@ inline void plan_factored(Plan& plan, int32_t i) {
   TensorDesc& t = G.d;
   G.R = t.shape[t.ndim - 2];
   G.batches = t.rows / G.R;
-  t.rows_per_chunk = (t.rows + host::kFactorChunks - 1) / host::kFactorChunks;
-  G.chunks = (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk;
+  G.chunks = host::factor_chunks(t);
   plan.scratch.n_colp += G.chunks * G.batches * t.cols;
   plan.scratch.n_rows += t.rows;
   for (int64_t r = 0; r < t.rows; r += kFactorRowsPerBlock) plan.row_items.push_back({i, 0, r, 0});

@@ -334,7 +334,13 @@ inline void describe_factored(const CallContext& cx, int64_t i, TensorDesc& t) {
   cx.check_device(col, i);
   t.row = row.data_ptr<float>();
   t.col = col.data_ptr<float>();
+  // fixed row chunking of the factor pass, the same for both drivers and every thread count: the
+  // column sums add the chunks' partial sums in chunk order
+  t.rows_per_chunk = (t.rows + kFactorChunks - 1) / kFactorChunks;
 }
+
+// Row chunks of a factored tensor's factor pass (numel > 0).
+inline int64_t factor_chunks(const TensorDesc& t) { return (t.rows + t.rows_per_chunk - 1) / t.rows_per_chunk; }
 
 // Starts loading the metadata of parameter j's tensors (see prefetch_meta).
 inline void prefetch_param(const CallContext& cx, at::TensorList params, at::TensorList grads, at::TensorList steps,
