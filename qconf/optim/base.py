@@ -342,7 +342,7 @@ class QOptimizer(Optimizer):
         for spec in specs:
             old = state[spec.key]
             if isinstance(old, QTensor):
-                noise = self._noise(old.codec, step, index, spec, p.device)
+                noise = self._noise(old.codec, step, index, spec.section, math.prod(spec.shape), p.device)
                 state[spec.key] = old.codec.encode(values[spec.key], noise=noise)
         if p32 is not p:
             p.copy_(self._write_param(p, p32, p_old, index, step, plan))
@@ -359,18 +359,20 @@ class QOptimizer(Optimizer):
         comp32 = comp.decode() if isinstance(comp, QTensor) else comp.float()
         new_p, new_comp = wts.kahan_update(p_old, p32, comp32, p.dtype, stochastic, bits)
         if isinstance(comp, QTensor):
-            spec = StateSpec("kahan_comp", "compensation", tuple(p.shape), Slot.COMPENSATION, p.dtype)
-            state["kahan_comp"] = comp.codec.encode(new_comp, noise=self._noise(comp.codec, step, index, spec, p.device))
+            noise = self._noise(comp.codec, step, index, "compensation", p.numel(), p.device)
+            state["kahan_comp"] = comp.codec.encode(new_comp, noise=noise)
         else:
             comp.copy_(wts.round_param(new_comp, comp.dtype, False, None))
         return new_p
 
-    def _noise(self, codec, step: int, index: int, spec: StateSpec, device: torch.device) -> torch.Tensor | None:
-        """Counter-based uniforms for stochastic rounding of one state (None for nearest)."""
+    def _noise(self, codec: Codec, step: int, index: int, section: str, numel: int,
+               device: torch.device) -> torch.Tensor | None:
+        """Counter-based uniforms for stochastic rounding of one state of qconfig ``section``
+        (``numel`` values; None for nearest rounding)."""
         if codec.rounding != "stochastic":
             return None
-        key = rng.stream_key(self._seed, step, index, _STATE_STREAMS[spec.section])
-        return rng.uniform(key, math.prod(spec.shape), device=device)
+        key = rng.stream_key(self._seed, step, index, _STATE_STREAMS[section])
+        return rng.uniform(key, numel, device=device)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
