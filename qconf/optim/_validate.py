@@ -50,6 +50,9 @@ def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 square root (what the native kernels compute).
 
     torch's float32 ``sqrt`` on CPU is not always correctly rounded; the float64 square root
-    rounded to float32 is (double rounding is innocuous for sqrt: 53 >= 2 * 24 + 2 bits).
+    rounded to float32 is (double rounding is innocuous for sqrt: 53 >= 2 * 24 + 2 bits). A
+    float64 ``x`` (float64 parameters) gets its own correctly rounded float64 square root.
     """
+    if x.dtype == torch.float64:
+        return x.sqrt()
     return x.double().sqrt_().float()

@@ -32,6 +32,9 @@ from .states import convert_state, zero_state
 
 __all__ = ["QOptimizer"]
 
+#: attributes that survive copy.deepcopy and pickling (beside torch's defaults, state, param_groups)
+_PICKLED = ("qconfig", "_seed", "_enable_overrides", "_fused", "_bf16_sr", "_compensation")
+
 #: rng stream per quantized state (stochastic rounding of states); params use rng.STREAM_PARAM
 _STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AVG_SQ,
                   "compensation": rng.STREAM_COMPENSATION}
@@ -87,6 +90,23 @@ class QOptimizer(Optimizer):
         self._fused = fused
         self._kernel = _choose_kernel(type(self).__name__, fused, self.kernel_rule)
 
+    # -- copy and pickle: the qconf settings survive, caches and the kernel driver are rebuilt -----
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in _PICKLED})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        had_differentiable = "differentiable" in state["defaults"]
+        super().__setstate__(state)
+        if not had_differentiable:  # torch's __setstate__ adds it; qconf's groups never had it
+            self.defaults.pop("differentiable", None)
+        self._plans = {}
+        self._index_cache = None
+        self._layout_version = 0
+        self._fusable_cache = {}
+        self._kernel = _choose_kernel(type(self).__name__, self._fused, self.kernel_rule)
+
     # -- parameters and names ---------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``, also accepting ``(name, tensor)`` pairs on every torch >= 2.4."""
@@ -95,6 +115,8 @@ class QOptimizer(Optimizer):
             params = [params]
         elif params is not None and not isinstance(params, set):
             params = list(params)
+        if params is not None and not isinstance(params, set):
+            _refuse_duplicates(params, len(getattr(self, "param_groups", ())))
         if params and all(isinstance(x, tuple) and len(x) == 2 for x in params):
             param_group = dict(param_group)
             param_group["param_names"] = [str(n) for n, _ in params]
@@ -146,7 +168,7 @@ class QOptimizer(Optimizer):
 
     def _resolve_plan(self, name: str, p: torch.Tensor, force_enable: bool | None) -> StatePlan:
         """The qconfig's plan for ``p`` with this optimizer's weights arguments applied."""
-        plan = resolve_plan(self.qconfig, name, tuple(p.shape), force_enable=force_enable)
+        plan = resolve_plan(self.qconfig, name, tuple(_real(p).shape), force_enable=force_enable)
         weights = plan.weights
         if self._bf16_sr and p.dtype == torch.bfloat16:
             weights = dataclasses.replace(weights, rounding="stochastic")
@@ -179,9 +201,19 @@ class QOptimizer(Optimizer):
         """``group``'s hyperparameters for the fused kernel."""
         raise NotImplementedError
 
+    def _rule_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
+        """The rule's states of ``p``, shaped like its real view (a complex parameter's states are
+        ``view_as_real``-shaped, as torch.optim updates them) and, unquantized, stored in its compute
+        dtype (float64 for float64 and complex128 parameters, else fp32)."""
+        real = _real(p)
+        specs = self._state_specs(group, real)
+        if _compute_dtype(real) == torch.float64:
+            specs = [dataclasses.replace(s, dtype=torch.float64) if s.dtype == torch.float32 else s for s in specs]
+        return specs
+
     def _specs(self, group: dict[str, Any], p: torch.Tensor, plan: StatePlan) -> list[StateSpec]:
         """The rule's states of ``p`` plus the Kahan buffer when its weights are compensated."""
-        specs = self._state_specs(group, p)
+        specs = self._rule_specs(group, p)
         if p.dtype in wts.LOW_PRECISION and plan.weights.compensation == "kahan":
             specs.append(StateSpec("kahan_comp", "compensation", tuple(p.shape), Slot.COMPENSATION, p.dtype))
         return specs
@@ -302,7 +334,8 @@ class QOptimizer(Optimizer):
             if not params:
                 return
         signature = self._spec_signature(group)
-        self._kernel.step(id(group), lambda: (self._layout_version, have, signature),
+        # len(self.state): opt.state.clear() (or del opt.state[p]) orphans the plan's tensors
+        self._kernel.step(id(group), lambda: (self._layout_version, len(self.state), have, signature),
                           lambda: self._fused_params(group, params), grads, self._hyper(group), self._seed)
 
     def _fused_params(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[FusedParam]:
@@ -326,26 +359,32 @@ class QOptimizer(Optimizer):
         return out
 
     def _reference_step(self, p: torch.Tensor, index: int, group: dict[str, Any], new: frozenset[str]) -> None:
+        """One step of ``p`` in its compute dtype: fp32, or float64 for float64 parameters (never
+        rounded through a narrower type); complex parameters step on their ``view_as_real``."""
         state = self.state[p]
         state["step"] += 1
         step = int(state["step"].item())
+        if p.numel() == 0:  # nothing to update (and no mean over an empty dim for factored statistics)
+            return
         plan = self.plan(index)
-        specs = self._state_specs(group, p)
+        specs = self._rule_specs(group, p)
+        real = _real(p)
+        dtype = _compute_dtype(real)
         values = {}
         for spec in specs:
-            v = state[spec.key]
-            values[spec.key] = v.decode() if isinstance(v, QTensor) else v  # fp32 states update in place
-        p32 = p if p.dtype == torch.float32 else p.float()
+            v = state[spec.key]  # fp32/fp64 states update in place; quantized ones are decoded
+            values[spec.key] = v.decode().to(dtype) if isinstance(v, QTensor) else v
+        p_c = real if real.dtype == dtype else real.to(dtype)
         p_old = p.float() if "kahan_comp" in state else None
-        grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-        self._update(p32, grad, values, step, group, new)
+        grad = _real(p.grad)
+        self._update(p_c, grad if grad.dtype == dtype else grad.to(dtype), values, step, group, new)
         for spec in specs:
             old = state[spec.key]
             if isinstance(old, QTensor):
                 noise = self._noise(old.codec, step, index, spec.section, math.prod(spec.shape), p.device)
                 state[spec.key] = old.codec.encode(values[spec.key], noise=noise)
-        if p32 is not p:
-            p.copy_(self._write_param(p, p32, p_old, index, step, plan))
+        if p_c is not real:  # bf16/fp16: round the fp32 result into the parameter
+            p.copy_(self._write_param(p, p_c, p_old, index, step, plan))
 
     def _write_param(self, p: torch.Tensor, p32: torch.Tensor, p_old: torch.Tensor | None, index: int, step: int,
                      plan: StatePlan) -> torch.Tensor:
@@ -430,6 +469,27 @@ class QOptimizer(Optimizer):
             names=[n for n, _, _ in named], params=[p for _, p, _ in named], seed=self._seed,
             enable_overrides=self._enable_overrides, requires_step=self.requires_step,
             lazy_states=self.lazy_states, planned_states=planned)
+
+
+def _refuse_duplicates(params: list[Any], group_index: int) -> None:
+    """torch.optim only warns about a parameter listed twice in a group (deprecated); it would be
+    updated twice per step, so qconf refuses it."""
+    seen: dict[int, int] = {}
+    for i, x in enumerate(params):
+        t = x[1] if isinstance(x, tuple) and len(x) == 2 else x
+        if isinstance(t, torch.Tensor) and seen.setdefault(id(t), i) != i:
+            raise ValueError(f"param group {group_index} lists the same parameter twice (positions {seen[id(t)]} "
+                             f"and {i}); each parameter may appear once (torch.optim deprecates duplicates)")
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or its ``view_as_real`` (shape ``t.shape + (2,)``) if it is complex."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _compute_dtype(real: torch.Tensor) -> torch.dtype:
+    """The dtype a (real) parameter's update is computed in: float64 stays float64, all else fp32."""
+    return torch.float64 if real.dtype == torch.float64 else torch.float32
 
 
 _META_PARAM = torch.empty(2, device="meta")  # 1-D stand-in: no factoring, one spec per torch.optim state

@@ -323,10 +323,12 @@ inline void describe_factored(const CallContext& cx, int64_t i, TensorDesc& t) {
               "qconf fused_step: a factored second moment needs Adam, ndim >= 2 and no dense exp_avg_sq");
   const at::Tensor& row = cx.state(i, kSlotRow);
   const at::Tensor& col = cx.state(i, kSlotCol);
+  // rows = prod(shape[:-1]), batches = prod(shape[:-2]) from the shape itself: a zero-size
+  // parameter (e.g. [5, 0]) still has shape[:-1]-sized row statistics
   t.cols = t.shape[t.ndim - 1];
-  t.rows = t.numel / std::max<int64_t>(t.cols, 1);
-  const int64_t R = t.shape[t.ndim - 2];
-  const int64_t batches = t.rows / std::max<int64_t>(R, 1);
+  int64_t batches = 1;
+  for (int64_t d = 0; d + 2 < t.ndim; ++d) batches *= t.shape[d];
+  t.rows = batches * t.shape[t.ndim - 2];
   TORCH_CHECK(row.scalar_type() == at::kFloat && row.numel() == t.rows && row.is_contiguous() &&
                   col.scalar_type() == at::kFloat && col.numel() == batches * t.cols && col.is_contiguous(),
               "qconf fused_step: factored statistics of parameter ", i, " have the wrong size or dtype");
