@@ -27,6 +27,7 @@ from ..config import QConfig, StatePlan, load_config, resolve_plan
 from . import checkpoint
 from . import weights as wts
 from .fused import FusedParam, FusedStepper, unfusable_reason
+from .params import NamedParams, compute_dtype, real_view
 from .spec import Hyper, Slot, StateSpec
 from .states import convert_state, zero_state
 
@@ -40,7 +41,7 @@ _STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AV
                   "compensation": rng.STREAM_COMPENSATION}
 
 
-class QOptimizer(Optimizer):
+class QOptimizer(NamedParams, Optimizer):
     """Base class of qconf's low-bit optimizers (a :class:`torch.optim.Optimizer`).
 
     Args:
@@ -107,55 +108,6 @@ class QOptimizer(Optimizer):
         self._fusable_cache = {}
         self._kernel = _choose_kernel(type(self).__name__, self._fused, self.kernel_rule)
 
-    # -- parameters and names ---------------------------------------------------------------
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group``, also accepting ``(name, tensor)`` pairs on every torch >= 2.4."""
-        params = param_group.get("params")
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif params is not None and not isinstance(params, set):
-            params = list(params)
-        if params is not None and not isinstance(params, set):
-            _refuse_duplicates(params, len(getattr(self, "param_groups", ())))
-        if params and all(isinstance(x, tuple) and len(x) == 2 for x in params):
-            param_group = dict(param_group)
-            param_group["param_names"] = [str(n) for n, _ in params]
-            param_group["params"] = [t for _, t in params]
-        elif params is not None and not isinstance(params, set):
-            param_group = dict(param_group, params=params)
-        super().add_param_group(param_group)
-        self._index_cache = None
-        self._layout_version = getattr(self, "_layout_version", 0) + 1
-
-    def _param_index(self) -> dict[int, int]:
-        """id(param) -> global index (the order of ``state_dict``), rebuilt when groups change."""
-        return self._indexed()[1]
-
-    def _named_params(self) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
-        """(name, param, group) for every parameter in state_dict order; unnamed params get ''."""
-        return self._indexed()[2]
-
-    def _indexed(self) -> tuple[int, dict[int, int], list[tuple[str, torch.Tensor, dict[str, Any]]]]:
-        count = sum(len(g["params"]) for g in self.param_groups)
-        if self._index_cache is None or self._index_cache[0] != count:
-            index: dict[int, int] = {}
-            named = []
-            for g in self.param_groups:
-                names = g.get("param_names") or [""] * len(g["params"])
-                named.extend((n, p, g) for n, p in zip(names, g["params"]))
-                for p in g["params"]:
-                    index.setdefault(id(p), len(index))
-            self._index_cache = (count, index, named)
-        return self._index_cache
-
-    def param_name(self, index: int) -> str:
-        """The qualified name of parameter ``index`` ('' if the optimizer was given plain tensors)."""
-        return self._named_params()[index][0]
-
-    def _describe(self, index: int) -> str:
-        name = self.param_name(index)
-        return f"parameter {index} ({name!r})" if name else f"parameter {index}"
-
     # -- plans and states ---------------------------------------------------------------------
     def plan(self, index: int) -> StatePlan:
         """The resolved :class:`StatePlan` of parameter ``index`` (cached until overrides change)."""
@@ -168,7 +120,7 @@ class QOptimizer(Optimizer):
 
     def _resolve_plan(self, name: str, p: torch.Tensor, force_enable: bool | None) -> StatePlan:
         """The qconfig's plan for ``p`` with this optimizer's weights arguments applied."""
-        plan = resolve_plan(self.qconfig, name, tuple(_real(p).shape), force_enable=force_enable)
+        plan = resolve_plan(self.qconfig, name, tuple(real_view(p).shape), force_enable=force_enable)
         weights = plan.weights
         if self._bf16_sr and p.dtype == torch.bfloat16:
             weights = dataclasses.replace(weights, rounding="stochastic")
@@ -205,9 +157,9 @@ class QOptimizer(Optimizer):
         """The rule's states of ``p``, shaped like its real view (a complex parameter's states are
         ``view_as_real``-shaped, as torch.optim updates them) and, unquantized, stored in its compute
         dtype (float64 for float64 and complex128 parameters, else fp32)."""
-        real = _real(p)
+        real = real_view(p)
         specs = self._state_specs(group, real)
-        if _compute_dtype(real) == torch.float64:
+        if compute_dtype(real) == torch.float64:
             specs = [dataclasses.replace(s, dtype=torch.float64) if s.dtype == torch.float32 else s for s in specs]
         return specs
 
@@ -368,15 +320,15 @@ class QOptimizer(Optimizer):
             return
         plan = self.plan(index)
         specs = self._rule_specs(group, p)
-        real = _real(p)
-        dtype = _compute_dtype(real)
+        real = real_view(p)
+        dtype = compute_dtype(real)
         values = {}
         for spec in specs:
             v = state[spec.key]  # fp32/fp64 states update in place; quantized ones are decoded
             values[spec.key] = v.decode().to(dtype) if isinstance(v, QTensor) else v
         p_c = real if real.dtype == dtype else real.to(dtype)
         p_old = p.float() if "kahan_comp" in state else None
-        grad = _real(p.grad)
+        grad = real_view(p.grad)
         self._update(p_c, grad if grad.dtype == dtype else grad.to(dtype), values, step, group, new)
         for spec in specs:
             old = state[spec.key]
@@ -469,27 +421,6 @@ class QOptimizer(Optimizer):
             names=[n for n, _, _ in named], params=[p for _, p, _ in named], seed=self._seed,
             enable_overrides=self._enable_overrides, requires_step=self.requires_step,
             lazy_states=self.lazy_states, planned_states=planned)
-
-
-def _refuse_duplicates(params: list[Any], group_index: int) -> None:
-    """torch.optim only warns about a parameter listed twice in a group (deprecated); it would be
-    updated twice per step, so qconf refuses it."""
-    seen: dict[int, int] = {}
-    for i, x in enumerate(params):
-        t = x[1] if isinstance(x, tuple) and len(x) == 2 else x
-        if isinstance(t, torch.Tensor) and seen.setdefault(id(t), i) != i:
-            raise ValueError(f"param group {group_index} lists the same parameter twice (positions {seen[id(t)]} "
-                             f"and {i}); each parameter may appear once (torch.optim deprecates duplicates)")
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or its ``view_as_real`` (shape ``t.shape + (2,)``) if it is complex."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def _compute_dtype(real: torch.Tensor) -> torch.dtype:
-    """The dtype a (real) parameter's update is computed in: float64 stays float64, all else fp32."""
-    return torch.float64 if real.dtype == torch.float64 else torch.float32
 
 
 _META_PARAM = torch.empty(2, device="meta")  # 1-D stand-in: no factoring, one spec per torch.optim state
