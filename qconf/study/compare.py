@@ -46,11 +46,13 @@ def _labels(sources: list[str]) -> list[str]:
     for lab in labels:  # the same file twice: number the repeats
         seen[lab] = seen.get(lab, 0) + 1
         out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
-    return out
+    # a label is display text (plots, tables): a file name's undecodable bytes, which reach sys.argv
+    # as surrogate escapes, show as \xNN
+    return [lab.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for lab in out]
 
 
 def load_configs(configs: Sequence[Any] | Mapping[str, Any]) -> list[ConfigEntry]:
-    """Config paths (or QConfig/dict objects, or a ``{label: config}`` mapping) -> entries.
+    """Config paths or built-in names (or QConfig/dict objects, or a ``{label: config}`` mapping) -> entries.
     A missing file is a :class:`StudyError`; an invalid one raises :class:`~qconf.QConfigError`."""
     if isinstance(configs, (str, os.PathLike)):
         configs = [configs]
