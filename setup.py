@@ -1,5 +1,6 @@
 """Build script: packages ``qconf`` and compiles the native extension ``qconf._C`` from csrc/.
 
+The package data are ``qconf/py.typed`` and the shipped configs (``configs/`` -> ``qconf/configs/``).
 The CPU extension is always built (set QCONF_NO_EXT=1 to skip it; the package then runs on the
 reference path). The CUDA kernels are added only when torch itself is a CUDA build and nvcc is
 available. Install with ``pip install --no-build-isolation .`` so the build uses the installed torch.
@@ -8,7 +9,7 @@ import glob
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 
 def _extensions():
@@ -40,4 +41,9 @@ def _extensions():
 
 
 ext_modules, cmdclass = _extensions()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+# The shipped configs (configs/ in the repository) become package data at qconf/configs/, so an installed
+# wheel finds them by name (qconf.config.builtin: the top-level files); the study configs come along.
+setup(packages=find_packages(include=["qconf", "qconf.*"]) + ["qconf.configs"],
+      package_dir={"qconf.configs": "configs"},
+      package_data={"qconf": ["py.typed"], "qconf.configs": ["*.yml", "studies/*/*.yml"]},
+      ext_modules=ext_modules, cmdclass=cmdclass)

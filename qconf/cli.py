@@ -1,27 +1,43 @@
 """The ``qconf`` command line.
 
-    qconf validate FILE...                         check configs; one line per problem
+    qconf validate FILE... | --list                check configs; one line per problem; list built-ins
     qconf show FILE [--model-shapes SPEC] [--json] the resolved config and per-parameter plan
     qconf bench [--size big|many|both] [...]       optimizer-step benchmark tables (qconf.bench)
     qconf compare CONFIG... [--task NAME] [...]    train a task under each config, compare (qconf.study)
 
 Subcommands are registered by the functions in :data:`COMMANDS` (each adds one subparser and
 sets ``func``), so new ones (``compare``, ``bench``) are one more entry.
-Exit codes: 0 success, 1 invalid config, 2 bad command-line usage.
+A FILE may be a built-in config name (``default``, ``8bit``, ``fp32``, ...: :mod:`qconf.config.builtin`).
+Exit codes: 0 success, 1 invalid config, 2 bad command-line usage (one line on stderr), 141 stdout
+closed early by its reader (``| head``; quiet, like a tool ended by SIGPIPE).
 """
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
+import os
 import sys
 import warnings
 from typing import Any, Callable, Sequence
 
 from ._table import format_table
 from .config import STATE_NAMES, QConfig, load_config, resolve_plan
+from .config.builtin import builtin_dir, builtin_names, builtin_summary
 from .errors import QConfigError
 
 __all__ = ["main", "build_parser", "parse_model_shapes", "COMMANDS"]
+
+_BUILTIN_HINT = "(e.g. default, 8bit, fp32; qconf validate --list shows all)"
+#: exit code of a command whose stdout was closed early (``qconf show ... | head``): 128 + SIGPIPE, what a
+#: shell reports for a tool that the signal ended
+EXIT_BROKEN_PIPE = 141
+
+
+def _usage_error(command: str, message: str) -> int:
+    """One line on stderr, exit code 2 (bad command-line usage)."""
+    print(f"qconf {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _load(path: str) -> tuple[QConfig | None, list[str], QConfigError | None]:
@@ -39,14 +55,19 @@ def _load(path: str) -> tuple[QConfig | None, list[str], QConfigError | None]:
 # validate
 # ---------------------------------------------------------------------------------------------
 def _register_validate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check config files",
-                       description="Check qconfig files (native or lpmm format). Prints 'OK  FILE' or one "
-                                   "line per problem; exits 1 if any file is invalid.")
-    p.add_argument("files", nargs="+", metavar="FILE", help="YAML config file")
+    p = sub.add_parser("validate", help="check config files; --list shows the built-in configs",
+                       description="Check qconfig files (native or lpmm format) or built-in configs by name. "
+                                   "Prints 'OK  FILE' or one line per problem; exits 1 if any file is invalid.")
+    p.add_argument("files", nargs="*", metavar="FILE", help=f"YAML config file or built-in name {_BUILTIN_HINT}")
+    p.add_argument("--list", action="store_true", help="list the built-in config names (and check them)")
     p.set_defaults(func=_cmd_validate)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    if args.list:
+        return _list_builtins(args.files)
+    if not args.files:
+        return _usage_error("validate", "give at least one FILE (a YAML path or a built-in name), or --list")
     status = 0
     for path in args.files:
         _, messages, err = _load(path)
@@ -58,6 +79,22 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             status = 1
             for problem in err.problems:
                 print(problem)
+    return status
+
+
+def _list_builtins(files: Sequence[str]) -> int:
+    """``qconf validate --list``: one line per built-in config (name, what it is); exit 1 if any is invalid."""
+    if files:
+        return _usage_error("validate", "--list takes no FILE")
+    status = 0
+    names = builtin_names()
+    width = max(map(len, names))
+    for name in names:
+        _, _, err = _load(name)
+        status = status if err is None else 1
+        mark = "" if err is None else "  [INVALID: " + "; ".join(map(str, err.problems)) + "]"
+        print(f"{name:{width}}  {builtin_summary(name)}{mark}")
+    print(f"# {len(names)} built-in configs in {builtin_dir()}; use a name wherever a config file is taken")
     return status
 
 
@@ -97,7 +134,7 @@ def _register_show(sub: argparse._SubParsersAction) -> None:
                        description="Print a config in resolved native form (every key explicit) and, with "
                                    "--model-shapes, which codec each optimizer state of each parameter gets "
                                    "and how many bytes it takes.")
-    p.add_argument("file", metavar="FILE", help="YAML config file")
+    p.add_argument("file", metavar="FILE", help=f"YAML config file or built-in name {_BUILTIN_HINT}")
     p.add_argument("--model-shapes", action="append", metavar="SPEC",
                    help="parameters as name=AxB,name2=C,... (name is the qualified parameter name, e.g. "
                         "layers.0.attn.weight; 'scalar' for a 0-d parameter); may be repeated")
@@ -155,8 +192,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         try:
             params = parse_model_shapes(",".join(args.model_shapes))
         except ValueError as e:
-            print(f"qconf show: error: --model-shapes: {e}", file=sys.stderr)
-            return 2
+            return _usage_error("show", f"--model-shapes: {e}")
     cfg, messages, err = _load(args.file)
     for message in messages:
         print(f"warning: {message}", file=sys.stderr)
@@ -248,14 +284,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    parser = build_parser()
+def _escape_unencodable(err: UnicodeError) -> tuple[str | bytes, int]:
+    """Encoding error handler for stdout: a file name's undecodable bytes (surrogate escapes from
+    ``sys.argv``) go out as those very bytes, any other character the terminal cannot encode (a
+    table's ``±`` on an ASCII terminal) as a backslash escape."""
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, --version, usage errors: keep main() returning an int
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    return args.func(args)
+        return codecs.lookup_error("surrogateescape")(err)
+    except UnicodeError:
+        return codecs.lookup_error("backslashreplace")(err)
+
+
+def _encodable_stdout() -> None:
+    """Never fail on printing: on a stdout whose encoding is not UTF-8 (ASCII under ``LC_ALL=C``
+    with UTF-8 mode off, a legacy locale) use :func:`_escape_unencodable`. (stderr already escapes.)"""
+    encoding = (getattr(sys.stdout, "encoding", None) or "utf-8").lower().replace("_", "-")
+    if encoding not in ("utf-8", "utf8") and hasattr(sys.stdout, "reconfigure"):
+        codecs.register_error("qconf.escape", _escape_unencodable)
+        sys.stdout.reconfigure(errors="qconf.escape")
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout was closed by the reader: point it at /dev/null so that the interpreter's final flush
+    cannot fail again (Python's documented recipe for SIGPIPE), and end quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (e.g. a test's capture)
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code (0 success, 1 invalid
+    config, 2 bad usage, 141 stdout closed early by its reader)."""
+    _encodable_stdout()
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help, --version, usage errors: keep main() returning an int
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        else:
+            code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
+        return code
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
 
 
 if __name__ == "__main__":

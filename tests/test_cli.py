@@ -1,7 +1,11 @@
-"""The qconf CLI (validate, show) via qconf.cli.main([...])."""
+"""The qconf CLI (validate, show) via qconf.cli.main([...]); closed pipes, unusable --out directories and
+non-UTF-8 file names under an ASCII locale in a real subprocess."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import yaml
 from qconf._table import format_table
 from qconf.cli import main, parse_model_shapes
 from qconf.config import load_config, resolve_plan
+from qconf.config.builtin import builtin_names
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = str(REPO / "configs" / "default.yml")
@@ -211,3 +216,153 @@ def test_format_table():
     ]
     with pytest.raises(ValueError):
         format_table(["a"], [[1, 2]])
+
+
+# -- built-in config names -------------------------------------------------------------------------------
+def test_validate_and_show_builtin_names(capsys):
+    code, out, _ = run(capsys, "validate", "default", "8bit", "fp32", "2nd_moment_group_128")
+    assert code == 0
+    assert out.splitlines() == ["OK  default", "OK  8bit", "OK  fp32", "OK  2nd_moment_group_128"]
+    code, out, _ = run(capsys, "show", "default", "--json")
+    assert code == 0 and json.loads(out)["config"] == load_config(DEFAULT).to_dict()
+
+
+def test_validate_list_shows_every_builtin(capsys):
+    code, out, _ = run(capsys, "validate", "--list")
+    assert code == 0
+    lines = out.splitlines()
+    names = sorted(p.stem for p in (REPO / "configs").glob("*.yml"))
+    assert [line.split()[0] for line in lines[:-1]] == names == builtin_names()
+    assert lines[names.index("default")].split(None, 1)[1].startswith("The paper's \"4-bit AdamW\"")
+    assert lines[-1].startswith(f"# {len(names)} built-in configs in ")
+    code, _, err = run(capsys, "validate", "--list", "default")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--list takes no FILE" in err
+
+
+def test_validate_unknown_name_lists_builtins(capsys):
+    code, out, _ = run(capsys, "validate", "defualt")
+    assert code == 1
+    (line,) = out.splitlines()
+    assert "'defualt' is neither a config file nor a built-in config name" in line
+    assert all(name in line for name in ("default", "8bit", "fp32", "2nd_moment_group_128"))
+
+
+def test_validate_without_files_is_one_line_usage_error(capsys):
+    code, out, err = run(capsys, "validate")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["qconf validate: error: give at least one FILE (a YAML path or a built-in "
+                                        "name), or --list"]
+
+
+# -- the CLI as a process: closed pipes, --out, non-UTF-8 file names ----------------------------------------
+def _env(**extra: str) -> dict[str, str]:
+    """This checkout (and tests/, for test_study_tasks) first on the path; no inherited I/O encoding."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8", "LC_ALL", "LANG")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    return {**env, **extra}
+
+
+def qconf_process(*argv, env=None, cwd=None, **kwargs):
+    """``python -m qconf.cli ARGV`` (argv items may be bytes: file names that are not UTF-8)."""
+    return subprocess.run([sys.executable, "-m", "qconf.cli", *argv], env=env or _env(), cwd=cwd,
+                          capture_output="stdout" not in kwargs, timeout=300, **kwargs)
+
+
+@pytest.mark.parametrize("argv", [
+    ["show", "default", "--json"],                                             # fits the buffer: fails at exit
+    ["show", DEFAULT, "--model-shapes", ",".join(f"p{i}=64x64" for i in range(400))],  # fails mid-print
+    ["validate", DEFAULT],
+], ids=["show-json", "show-long", "validate"])
+def test_closed_stdout_ends_quietly(argv):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader (`| head -c1`) is gone: every write to stdout fails with EPIPE
+    try:
+        proc = qconf_process(*argv, stdout=write_end, stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
+    assert proc.stderr == b""
+    assert proc.returncode == 141  # 128 + SIGPIPE, what a shell shows for `yes | head -1`
+
+
+def _one_line_error(proc) -> str:
+    err = proc.stderr.decode(errors="replace")
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qconf compare: error: --out "), err
+    return lines[0]
+
+
+COMPARE_FAST = ["--task", "test_study_tasks:tiny_task", "--steps", "1", "--seeds", "1", "--no-progress"]
+
+
+def test_compare_out_existing_file(tmp_path):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    line = _one_line_error(qconf_process("compare", "default", *COMPARE_FAST, "--out", str(target)))
+    assert "exists and is not a directory" in line
+    assert target.read_text() == "keep me"
+    line = _one_line_error(qconf_process("compare", "default", *COMPARE_FAST, "--out", str(target / "sub")))
+    assert "results.txt' is not a directory" in line
+
+
+def _unwritable(tmp_path: Path) -> Path:
+    """A directory path that cannot be created: under a read-only directory, or (for root, whom file
+    modes do not stop) under /sys, where even root cannot make entries."""
+    if os.geteuid() != 0:
+        parent = tmp_path / "read-only"
+        parent.mkdir(mode=0o500)
+    else:
+        parent = Path("/sys")
+    target = parent / "qconf-test-out"
+    with pytest.raises(OSError):  # the premise: this place is not writable
+        target.mkdir()
+    return target
+
+
+def test_compare_out_unwritable(tmp_path):
+    target = _unwritable(tmp_path)
+    line = _one_line_error(qconf_process("compare", "default", *COMPARE_FAST, "--out", str(target)))
+    assert f"cannot write in '{target.parent}'" in line
+    assert not target.exists()
+
+
+#: LC_ALL=C: Python's UTF-8 mode (argv bytes as surrogate escapes); and a strict ASCII stdout with it off
+ASCII_LOCALES = {"C": {"LC_ALL": "C"}, "C-no-utf8-mode": {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}}
+
+
+def _non_utf8_config(tmp_path: Path) -> bytes:
+    """A copy of default.yml whose file name is not UTF-8 (argv carries it as a surrogate escape)."""
+    name = b"cfg-\xff.yml"
+    with open(os.path.join(os.fsencode(tmp_path), name), "wb") as f:
+        f.write(Path(DEFAULT).read_bytes())
+    return name
+
+
+@pytest.mark.parametrize("locale", list(ASCII_LOCALES))
+def test_non_utf8_file_names_validate_show(tmp_path, locale):
+    env = _env(**ASCII_LOCALES[locale])
+    name = _non_utf8_config(tmp_path)
+    proc = qconf_process("validate", name, "8bit", env=env, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, b"")
+    assert proc.stdout.splitlines() == [b"OK  " + name, b"OK  8bit"]  # the name's own bytes come back
+    proc = qconf_process("show", name, env=env, cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (0, b"")
+    assert proc.stdout.startswith(b"# " + name + b", resolved")
+
+
+def test_non_utf8_file_names_compare(tmp_path):
+    """The strict ASCII locale: outputs are still written (UTF-8, undecodable bytes escaped), the table's
+    ± is escaped on stdout; the label shows the undecodable byte as \\xff."""
+    name = _non_utf8_config(tmp_path)
+    out = b"out-\xfe"
+    proc = qconf_process("compare", name, "8bit", *COMPARE_FAST, "--eval-every", "1", "--out", out,
+                         env=_env(**ASCII_LOCALES["C-no-utf8-mode"]), cwd=tmp_path)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
+    assert b"\\xb1 " in proc.stdout  # mean \xb1 std: the ASCII terminal cannot show the plus-minus sign
+    out_dir = os.path.join(os.fsencode(tmp_path), out)
+    written = sorted(os.listdir(out_dir))
+    assert written == [b"curves.png", b"qerror.png", b"report.md", b"results.csv", b"results.json", b"summary.png"]
+    with open(os.path.join(out_dir, b"results.csv"), encoding="utf-8") as f:
+        assert [row.split(",")[0] for row in f.read().splitlines()] == ["config", "cfg-\\xff", "8bit"]
+    with open(os.path.join(out_dir, b"report.md"), encoding="utf-8") as f:
+        assert "`cfg-\\xff` (cfg-\\udcff.yml)" in f.read()

@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the qconf configs' min_numel (a state is quantized iff numel > min_numel; the "
                         "shipped configs use 4096, so 'many' tensors of exactly 4096 keep fp32 states)")
     p.add_argument("--configs", type=Path, default=None, metavar="DIR",
-                   help="directory holding default.yml, 2nd_moment_group_128.yml, 8bit.yml (default: the repo's)")
+                   help="directory holding default.yml, 2nd_moment_group_128.yml, 8bit.yml (default: the built-in "
+                        "configs shipped with qconf)")
     p.add_argument("--json", metavar="FILE", help="also write every number (raw per-round times too) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import __version__
-from .. import _native  # noqa: F401  (the native probe loads qconf._C, which registers torch.ops.qconf.cpu_isa)
+from .. import _native  # the native probe loads qconf._C, which registers torch.ops.qconf.cpu_isa
 from .roster import BASELINE, Contender, matches
 from .rss import measure_rss
 from .tensors import copy_for, make_base, state_bytes_per_param
@@ -230,10 +230,13 @@ def machine_info(threads: int) -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:
-        isa = str(torch.ops.qconf.cpu_isa())
-    except Exception as e:
-        isa = f"unavailable ({one_line(e)})"
+    if not _native.native_available():
+        isa = "unavailable (qconf built without its extension qconf._C: reference path only)"
+    else:
+        try:
+            isa = str(torch.ops.qconf.cpu_isa())
+        except Exception as e:
+            isa = f"unavailable ({one_line(e)})"
     return {"cpu": cpu, "cpus": os.cpu_count(), "qconf_isa": isa,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
             "torch": torch.__version__, "qconf": __version__, "torchao": _version("torchao"),

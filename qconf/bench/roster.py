@@ -18,6 +18,7 @@ import torch
 
 from .. import optim as qoptim
 from ..config import load_config
+from ..config.builtin import builtin_dir
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 BASELINE = "torch-fused"
@@ -104,8 +105,9 @@ def contenders(config_dir: str | os.PathLike | None = None, min_numel: int | Non
 
 
 def default_config_dir() -> Path:
-    """``configs/`` of the source tree qconf is imported from (an editable install or a checkout)."""
-    return Path(__file__).resolve().parents[2] / "configs"
+    """The built-in configs' directory (:func:`qconf.config.builtin.builtin_dir`: shipped in the
+    wheel, the repository's ``configs/`` in a checkout)."""
+    return builtin_dir()
 
 
 def matches(key: str, patterns: Sequence[str]) -> bool:

@@ -14,6 +14,7 @@ Positions of the descriptor's fields come from the extension (:func:`qconf._nati
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from typing import Any
 
@@ -148,10 +149,20 @@ def codec_descriptor(codec: Any, shape: tuple[int, ...]) -> list[int]:
     return desc
 
 
+def _missing_extension() -> str:
+    """Why ``backend="native"`` cannot run, and what to do instead."""
+    if importlib.util.find_spec("qconf._C") is None:
+        why = "which this installation of qconf does not have (it was built with QCONF_NO_EXT=1 or without a compiler)"
+    else:
+        why = f"which failed to load ({native_error() or 'it has no encode/decode kernels'})"
+    return (f"backend='native' needs the compiled extension qconf._C, {why}; use backend='reference' (the same "
+            "codes and scales), or reinstall qconf with `pip install --no-build-isolation .` to build it")
+
+
 def _encode_args(codec: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, list[int]]:
     """The table and the ``codec`` int list of ``qconf::encode`` / ``qconf::decode``."""
-    if not native_available():
-        raise RuntimeError(f"backend='native' needs the extension qconf._C ({native_error()})")
+    if not native_available() or not hasattr(torch.ops.qconf, "encode"):
+        raise RuntimeError(_missing_extension())
     lay = layout()
     if len(shape) > lay["max_dims"]:
         raise ValueError(f"backend='native' handles at most {lay['max_dims']} dimensions, got {len(shape)}")

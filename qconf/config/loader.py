@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..errors import Problem, QConfigError, QConfigWarning
+from .builtin import resolve_builtin
 from .lpmm import is_upper_key, lpmm_to_native
 from .model import Override, QConfig, WeightsConfig
 from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, check_override, check_section, check_states,
@@ -40,7 +41,8 @@ def load_config(src: Any, *, base_dir: str | os.PathLike[str] | None = None) -> 
     """Load a qconfig.
 
     Args:
-        src: a path (``str`` / ``os.PathLike``) to a native or lpmm YAML file, a ``dict`` in
+        src: a path (``str`` / ``os.PathLike``) to a native or lpmm YAML file, a built-in config
+            name such as ``"default"`` (:mod:`qconf.config.builtin`), a ``dict`` in
             either format, a :class:`QConfig` (returned as is), or ``None`` (the defaults, equal
             to lpmm's ``_C`` defaults).
         base_dir: directory that ``base`` paths of a dict are relative to (default: the CWD).
@@ -52,6 +54,7 @@ def load_config(src: Any, *, base_dir: str | os.PathLike[str] | None = None) -> 
     """
     if isinstance(src, QConfig):
         return src
+    src = resolve_builtin(src)  # "default" -> the shipped default.yml (qconf.config.builtin)
     loader = _Loader()
     if src is None:
         return QConfig()

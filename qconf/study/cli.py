@@ -1,13 +1,17 @@
 """``qconf compare``: arguments and execution (registered by :mod:`qconf.cli`).
 
 Bad arguments (unknown task, unimportable module, missing or invalid config, a non-positive
-count, ...) print one line on stderr and exit with code 2, before any training. Ctrl-C stops the
+count, an ``--out`` that is a file or cannot be written, ...) print one line on stderr and exit with
+code 2, before any training. Ctrl-C stops the
 study cleanly: outputs are written for what is done and the exit code is 130.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from ..errors import QConfigError
@@ -36,17 +40,20 @@ built-in tasks:
 divergence: a seed diverged if its train loss is non-finite, or its eval loss exceeds the initial
 eval loss after 10% of the steps; it stops early and counts in the "unstable" share.
 
+configs: YAML files or built-in names (default, 8bit, fp32, ...: qconf validate --list).
+
 examples:
-  qconf compare configs/fp32.yml configs/8bit.yml configs/default.yml
-  qconf compare configs/studies/zero_point/*.yml --seeds 3 --steps 600
-  qconf compare configs/default.yml --task digits --optimizer sgd --lr 0.05
-  qconf compare configs/default.yml --task mypkg.tasks:make_task --out results/mine
+  qconf compare fp32 8bit default
+  qconf compare configs/studies/zero_point/*.yml --seeds 3 --steps 600     (in a checkout)
+  qconf compare default --task digits --optimizer sgd --lr 0.05
+  qconf compare my_config.yml default --task mypkg.tasks:make_task --out results/mine
 
 exit codes: 0 done, 2 bad arguments (one line on stderr), 130 interrupted (outputs written)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("configs", nargs="+", metavar="CONFIG", help="qconfig YAML files to compare (native or lpmm format)")
+    p.add_argument("configs", nargs="+", metavar="CONFIG",
+                   help="qconfig YAML files (native or lpmm format) or built-in names (default, 8bit, fp32, ...)")
     p.add_argument("--task", default=None, metavar="NAME|module:function",
                    help="built-in task (charlm, digits) or module:function returning a qconf.study.Task "
                         "(default: charlm)")
@@ -119,12 +126,33 @@ def _fail(message: str) -> int:
     return 2
 
 
+def check_out_dir(out: str | None) -> None:
+    """StudyError unless ``--out`` can become the output directory: it is a directory or can be
+    created, and files can be written there. Checked before training (no hours lost at the end);
+    creates nothing that stays."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise StudyError(f"--out {out!r} exists and is not a directory (give a new or existing directory)")
+    parent = path
+    while not parent.exists():  # the nearest existing ancestor is where the directory would be made
+        parent = parent.parent
+    if not parent.is_dir():
+        raise StudyError(f"--out {out!r}: {str(parent)!r} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qconf-out-check-", dir=parent))
+    except OSError as e:
+        raise StudyError(f"--out {out!r}: cannot write in {str(parent)!r} ({e.strerror or e})") from None
+
+
 def execute(args: argparse.Namespace) -> int:
     """Run ``qconf compare`` for parsed ``args``; returns the exit code."""
     from .compare import DEFAULT_SEEDS, compare
     from .tasks import DEFAULT_TASK
 
     try:
+        check_out_dir(args.out)
         kwargs = parse_opt_args(args.opt_arg)
         result = compare(args.configs, task=args.task or DEFAULT_TASK, optimizer=args.optimizer, steps=args.steps,
                          seeds=DEFAULT_SEEDS if args.seeds is None else args.seeds, lr=args.lr, fused=args.fused,
@@ -135,6 +163,8 @@ def execute(args: argparse.Namespace) -> int:
         return _fail("invalid config: " + "; ".join(str(p) for p in e.problems))
     except StudyError as e:
         return _fail(str(e))
+    except OSError as e:  # e.g. writing the outputs failed after all (the disk filled up)
+        return _fail(f"{e.strerror or e}" + (f": {e.filename!r}" if e.filename else ""))
     print()
     print(result.table())
     print()

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..config import load_config
+from ..config.builtin import is_builtin_name
 from .report import write_outputs
 from .results import ConfigEntry, StudyResult
 from .runner import OPTIMIZERS, RunInterrupted, RunResult, WARMUP_FRACTION, make_optimizer, train_run
@@ -45,11 +46,13 @@ def _labels(sources: list[str]) -> list[str]:
     for lab in labels:  # the same file twice: number the repeats
         seen[lab] = seen.get(lab, 0) + 1
         out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
-    return out
+    # a label is display text (plots, tables): a file name's undecodable bytes, which reach sys.argv
+    # as surrogate escapes, show as \xNN
+    return [lab.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for lab in out]
 
 
 def load_configs(configs: Sequence[Any] | Mapping[str, Any]) -> list[ConfigEntry]:
-    """Config paths (or QConfig/dict objects, or a ``{label: config}`` mapping) -> entries.
+    """Config paths or built-in names (or QConfig/dict objects, or a ``{label: config}`` mapping) -> entries.
     A missing file is a :class:`StudyError`; an invalid one raises :class:`~qconf.QConfigError`."""
     if isinstance(configs, (str, os.PathLike)):
         configs = [configs]
@@ -64,7 +67,7 @@ def load_configs(configs: Sequence[Any] | Mapping[str, Any]) -> list[ConfigEntry
     entries = []
     for label, cfg in items:
         if isinstance(cfg, (str, os.PathLike)):
-            if not Path(cfg).is_file():
+            if not Path(cfg).is_file() and not is_builtin_name(cfg):  # a name: load_config resolves it
                 raise StudyError(f"config file {str(cfg)!r} not found")
             source = str(cfg)
         else:
@@ -105,7 +108,8 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
     """Train ``task`` with each config for each seed and compare them.
 
     Args:
-        configs: config files (or QConfig / dict objects, or a ``{label: config}`` mapping).
+        configs: config files or built-in names such as ``"default"`` (or QConfig / dict objects, or a
+            ``{label: config}`` mapping).
         task: built-in task name (``"charlm"``, ``"digits"``), ``"module:function"`` returning a
             :class:`Task`, or a Task.
         optimizer: ``adamw`` | ``adam`` | ``sgd`` (momentum 0.9) | ``lion``.

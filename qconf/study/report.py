@@ -22,6 +22,10 @@ from typing import Any, Sequence
 from .plots import write_plots
 from .results import StudyResult
 
+#: text outputs are UTF-8 whatever the locale; a file name's undecodable bytes (surrogate escapes in
+#: ``sys.argv`` under an ASCII or mismatched locale) are written as ``\udcXX`` instead of failing
+TEXT = {"encoding": "utf-8", "errors": "backslashreplace"}
+
 
 def write_outputs(result: StudyResult, out: Path) -> list[Path]:
     """Write every output file into ``out`` (created); returns the paths written."""
@@ -48,14 +52,14 @@ def _clean(x: Any) -> Any:
 
 
 def _write_json(result: StudyResult, path: Path) -> Path:
-    path.write_text(json.dumps(_clean(result.to_dict()), indent=1, allow_nan=False) + "\n")
+    path.write_text(json.dumps(_clean(result.to_dict()), indent=1, allow_nan=False) + "\n", **TEXT)
     return path
 
 
 def _write_csv(result: StudyResult, path: Path) -> Path:
     rows = result.summary()
     fields = list(rows[0]) if rows else ["config"]
-    with path.open("w", newline="") as f:
+    with path.open("w", newline="", **TEXT) as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for row in rows:
@@ -187,5 +191,5 @@ def _write_report(result: StudyResult, path: Path, plots: list[str]) -> Path:
     parts.append(_md_table(["config", "seed", "status", "steps", "final eval loss", "best eval loss", "ms/step",
                             "wall s", "note"], run_rows, "lrlrrrrrl"))
     parts.append("")
-    path.write_text("\n".join(parts))
+    path.write_text("\n".join(parts), **TEXT)
     return path
