@@ -39,8 +39,9 @@ CASES = [
     ("bits-9", "states:\n  exp_avg_sq:\n    bits: 9\n", "states.exp_avg_sq.bits",
      ["9 is out of range (allowed: integer 1..8)"]),
     ("bits-0", "states:\n  exp_avg:\n    bits: 0\n", "states.exp_avg.bits", ["out of range"]),
-    ("group-size-0", "states:\n  exp_avg:\n    group_size: 0\n", "states.exp_avg.group_size", ["integer >= 1"]),
-    ("min-numel-negative", "min_numel: -1\n", "min_numel", ["out of range", "integer >= 0"]),
+    ("group-size-0", "states:\n  exp_avg:\n    group_size: 0\n", "states.exp_avg.group_size",
+     ["integer 1..16777216 = 2^24"]),
+    ("min-numel-negative", "min_numel: -1\n", "min_numel", ["out of range", "integer 0..9223372036854775807 = 2^63-1"]),
     ("state-min-numel-negative", "states:\n  exp_avg:\n    min_numel: -5\n", "states.exp_avg.min_numel",
      ["out of range"]),
     ("version-2", "version: 2\n", "version", ["not supported", "allowed: 1"]),
@@ -324,3 +325,261 @@ def test_self_referencing_and_odd_yaml(tmp_path, text, key_path):
         load_config(path)
     assert info.value.problems[0].key_path == key_path
     assert len(str(info.value)) < 400
+
+
+# -- hostile input: the work a config can cause is bounded, every failure is a QConfigError ----------
+def _merge_key_bomb(levels: int, width: int = 11) -> str:
+    """~80 bytes per level; each level merges `width` copies of the previous one (flattened by
+    PyYAML into width**level key/value pairs)."""
+    lines = ["x0: &a0 {k: 1}"]
+    for i in range(1, levels):
+        lines.append(f"x{i}: &a{i}\n  <<: [{', '.join([f'*a{i - 1}'] * width)}]\n  k{i}: 1")
+    lines.append(f"states:\n  exp_avg:\n    <<: [*a{levels - 1}]")
+    return "\n".join(lines) + "\n"
+
+
+def _alias_bomb(levels: int, width: int = 10) -> str:
+    """The billion-laughs list: each level a list of `width` aliases of the previous one."""
+    lines = ["l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    for i in range(1, levels):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]")
+    return "\n".join(lines) + f"\noverrides: *l{levels - 1}\n"
+
+
+@pytest.mark.parametrize("text", [_merge_key_bomb(6), _merge_key_bomb(8), _alias_bomb(9)],
+                         ids=["merge-key-bomb-6", "merge-key-bomb-8", "alias-bomb-9"])
+def test_yaml_bombs_refused_in_bounded_time_and_memory(tmp_path, text):
+    # merge-key-bomb-6: 160k merged pairs, ~2 s and ~200 MB before; -8 (600 bytes): 19M pairs, minutes and GBs
+    import time
+    import tracemalloc
+    path = _write(tmp_path, text)
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(QConfigError) as info:
+            load_config(path)
+        elapsed = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    (p,) = info.value.problems
+    assert "YAML document expands to more than 10000 nodes (each use of an alias or merge key '<<' counts its " \
+           "whole anchor) (allowed: at most 10000 nodes)" in str(p)
+    assert elapsed < 10 and peak < 16 << 20, (elapsed, peak)
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("a: [" + ", ".join(["1"] * 12000) + "]\n", "has more than 10000 nodes"),
+    ("a: " + "[" * 70 + "]" * 70 + "\n", "nests deeper than 64 levels"),
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nests deeper than 64 levels"),  # past the composer's recursion
+    ("".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 200)).replace("[*a0]", "[1]"), "nests deeper than 64"),
+], ids=["many-nodes", "deep-70", "deep-5000", "alias-chain"])
+def test_yaml_size_and_depth_limits(tmp_path, text, fragment):
+    import time
+    start = time.perf_counter()
+    with pytest.raises(QConfigError) as info:
+        load_config(_write(tmp_path, text))
+    (p,) = info.value.problems
+    assert fragment in str(p) and "(allowed: at most " in str(p) and p.line is not None, str(p)
+    assert time.perf_counter() - start < 10
+
+
+def test_small_anchors_and_merges_still_load(tmp_path):
+    text = "states:\n  exp_avg: &s {bits: 8, group_size: 64}\n  exp_avg_sq: {<<: *s, signed: false, map: power-1}\n" + \
+        "overrides:\n" + "".join(f"  - {{match: 'l{i}.*', states: {{exp_avg: *s}}}}\n" for i in range(500))
+    cfg = load_config(_write(tmp_path, text))
+    assert len(cfg.overrides) == 500 and cfg.states["exp_avg_sq"].group_size == 64
+
+
+@pytest.mark.parametrize("literal", ["9" * 5000, "-" + "9" * 4301, "0x" + "f" * 5000, "1:" + ":".join(["59"] * 3000),
+                                     "0b" + "1" * 200, "1" + "_0" * 100])
+def test_overlong_integer_literals(tmp_path, literal):
+    path = _write(tmp_path, f"min_numel: {literal}\n")
+    with pytest.raises(QConfigError) as info:
+        load_config(path)
+    (p,) = info.value.problems
+    assert (p.line, p.column) == (1, 12)
+    assert f"integer of {len(literal)} characters is too long (allowed: at most 100 characters)" in str(p)
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("2001-13-01", "cannot build a timestamp from '2001-13-01': month must be in 1..12"),
+    ("!!float abc", "cannot build a float from 'abc'"),
+    ("!!int abc", "cannot build a int from 'abc'"),
+    ("!!timestamp x", "cannot build a timestamp from 'x'"),
+    ("!!bool maybe", "cannot build a bool from 'maybe'"),
+])
+def test_unbuildable_scalars(tmp_path, value, fragment):
+    path = _write(tmp_path, f"states:\n  exp_avg:\n    bits: {value}\n")
+    with pytest.raises(QConfigError) as info:
+        load_config(path)
+    (p,) = info.value.problems
+    assert p.line == 3 and "YAML error: " + fragment in str(p), str(p)
+
+
+@pytest.mark.parametrize("data,key_path", [
+    ({"min_numel": 10**5000}, "min_numel"),
+    ({"states": {"exp_avg": {"group_size": -(10**5000)}}}, "states.exp_avg.group_size"),
+    ({"overrides": [{"max_numel": 10**5000, "enable": False}]}, "overrides[0].max_numel"),
+    ({"QUANT": {"SQM": {"THRESHOLD": 10**5000}}}, "QUANT.SQM.THRESHOLD"),
+    ({10**5000: 1}, "an integer of about 5001 digits"),
+    ({"states": {"exp_avg": {10**5000: 1}}}, "states.exp_avg.an integer of about 5001 digits"),
+    ({"QUANT": {}, 10**5000: 1}, ""),
+])
+def test_huge_python_ints_give_readable_errors(data, key_path):
+    with pytest.raises(QConfigError) as info:
+        load_config(data)
+    assert any(p.key_path == key_path for p in info.value.problems), [p.key_path for p in info.value.problems]
+    assert "integer of about 5001 digits" in str(info.value)
+    for p in info.value.problems:
+        assert len(repr(p)) < 2000 and len(str(p)) < 1000  # printable: no 5000-digit conversion
+
+
+# Every integer field has an upper bound that keeps the first step from overflowing or allocating.
+@pytest.mark.parametrize("text,key_path,allowed", [
+    (f"states: {{exp_avg: {{group_size: {2**63}}}}}\n", "states.exp_avg.group_size", "integer 1..16777216 = 2^24"),
+    (f"states: {{exp_avg_sq: {{group_size: {2**30}}}}}\n", "states.exp_avg_sq.group_size", "1..16777216"),
+    (f"states: {{exp_avg: {{group_size: {2**24 + 1}}}}}\n", "states.exp_avg.group_size", "1..16777216"),
+    (f"QUANT: {{M: {{GROUP_SIZE: {2**30}}}}}\n", "QUANT.M.GROUP_SIZE", "1..16777216"),
+    (f"min_numel: {2**63}\n", "min_numel", "integer 0..9223372036854775807 = 2^63-1"),
+    (f"states: {{exp_avg: {{min_numel: {2**64}}}}}\n", "states.exp_avg.min_numel", "2^63-1 or null"),
+    (f"QUANT: {{SQM: {{THRESHOLD: {2**63}}}}}\n", "QUANT.SQM.THRESHOLD", "2^63-1 or null"),
+    ("overrides: [{ndim: 65, enable: false}]\n", "overrides[0].ndim", "integer 0..64"),
+    (f"overrides: [{{min_numel: {2**63}, enable: false}}]\n", "overrides[0].min_numel", "2^63-1"),
+    (f"overrides: [{{max_numel: {2**63}, enable: false}}]\n", "overrides[0].max_numel", "2^63-1"),
+    (f"overrides: [{{match: x, states: {{exp_avg: {{group_size: {2**40}}}}}}}]\n",
+     "overrides[0].states.exp_avg.group_size", "1..16777216"),
+    (f"weights: {{compensation: kahan, compensation_codec: {{group_size: {2**63}}}}}\n",
+     "weights.compensation_codec.group_size", "1..16777216"),
+])
+def test_integer_upper_bounds(tmp_path, text, key_path, allowed):
+    with pytest.raises(QConfigError) as info:
+        load_config(_write(tmp_path, text))
+    (p,) = info.value.problems
+    assert p.key_path == key_path and "is out of range" in p.message and allowed in p.allowed, str(p)
+
+
+def test_integer_upper_bounds_are_inclusive_and_apply_to_constructors(tmp_path):
+    from qconf.config import StateConfig
+    cfg = load_config({"min_numel": 2**63 - 1, "states": {"exp_avg": {"group_size": 2**24}},
+                       "overrides": [{"ndim": 64, "max_numel": 2**63 - 1, "enable": False}]})
+    assert cfg.states["exp_avg"].group_size == 2**24 and cfg.min_numel == 2**63 - 1
+    with pytest.raises(QConfigError, match="group_size: 1073741824 is out of range"):
+        StateConfig(group_size=2**30)
+
+
+# -- unbounded or blocking reads ---------------------------------------------------------------------
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+@pytest.mark.parametrize("make", [lambda tmp: "/dev/zero", lambda tmp: {"base": "/dev/zero"}])
+def test_device_is_not_a_config(tmp_path, make):
+    with pytest.raises(QConfigError, match="/dev/zero: cannot read config file: it is not a regular file"):
+        load_config(make(tmp_path))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_fifo_is_refused_without_blocking(tmp_path):
+    import os
+    import threading
+    fifo = tmp_path / "pipe.yml"
+    os.mkfifo(fifo)
+    top = _write(tmp_path, "base: pipe.yml\n")
+    outcome: list[BaseException | None] = []
+
+    def run():
+        for src in (fifo, top):
+            try:
+                load_config(src)
+                outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 -- reported by the assertions below
+                outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    if thread.is_alive():  # unblock a reader stuck in open() so the process can exit
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert len(outcome) == 2, "load_config blocked on a FIFO"
+    assert all(isinstance(e, QConfigError) and "not a regular file" in str(e) for e in outcome), outcome
+
+
+def test_oversized_file_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.yml"
+    with open(path, "wb") as f:
+        f.write(b"min_numel: 1\n# ")
+        f.truncate(64 << 20)  # sparse: a 64 MiB file whose reading alone would take the whole budget
+    with pytest.raises(QConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: config file is larger than 65536 bytes (allowed: at most 65536 bytes)"
+    path.write_bytes(b"min_numel: 1\n" + b"#" * ((64 << 10) - 20) + b"\n")  # just under the limit loads
+    assert load_config(path).min_numel == 1
+
+
+@pytest.mark.parametrize("src", ["a\0b.yml", {"base": "a\0b.yml"}, {"base": ["x.yml", "\0"]}])
+def test_nul_in_paths(tmp_path, monkeypatch, src):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(QConfigError):
+        load_config(src)
+
+
+def test_pathlike_giving_bytes(tmp_path):
+    class BytesPath:
+        def __fspath__(self):
+            return bytes(tmp_path / "c.yml")
+
+    (tmp_path / "c.yml").write_text("min_numel: 3\n")
+    assert load_config(BytesPath()).min_numel == 3
+    with pytest.raises(QConfigError, match="base_dir 3 is not a path"):
+        load_config({}, base_dir=3)
+
+
+# -- inheritance: each file counts once --------------------------------------------------------------
+def test_doubling_base_chain_merges_each_file_once(tmp_path):
+    # f0 names f1 twice, f1 names f2 twice, ...: 2**12 - 1 merged overrides before, one per file now
+    n = 12
+    (tmp_path / f"f{n - 1}.yml").write_text(f"overrides: [{{match: x{n - 1}, enable: false}}]\n")
+    for i in range(n - 2, -1, -1):
+        (tmp_path / f"f{i}.yml").write_text(f"base: [f{i + 1}.yml, ./f{i + 1}.yml]\n"
+                                            f"overrides: [{{match: x{i}, enable: false}}]\n")
+    cfg = load_config(tmp_path / "f0.yml")
+    assert [o.match for o in cfg.overrides] == [f"x{i}" for i in range(n - 1, -1, -1)]
+
+
+def test_diamond_applies_shared_base_once_before_its_users(tmp_path):
+    # a -> [b, c], b -> d, c -> d: merged in the order d, b, c, a; c does not re-apply d over b
+    (tmp_path / "d.yml").write_text("states: {exp_avg: {bits: 4}}\noverrides: [{match: d, enable: false}]\n")
+    (tmp_path / "b.yml").write_text("base: d.yml\nstates: {exp_avg: {bits: 8}}\n"
+                                    "overrides: [{match: b, enable: false}]\n")
+    (tmp_path / "c.yml").write_text("base: d.yml\noverrides: [{match: c, enable: false}]\n")
+    cfg = load_config(_write(tmp_path, "base: [b.yml, c.yml]\noverrides: [{match: a, enable: false}]\n"))
+    assert [o.match for o in cfg.overrides] == ["d", "b", "c", "a"]
+    assert cfg.states["exp_avg"].bits == 8
+
+
+def test_cycle_through_a_diamond_is_an_error(tmp_path):
+    (tmp_path / "b.yml").write_text("base: d.yml\n")
+    (tmp_path / "c.yml").write_text("base: [d.yml, bad.yml]\n")
+    (tmp_path / "d.yml").write_text("min_numel: 1\n")
+    path = _write(tmp_path, "base: [b.yml, c.yml]\n")
+    with pytest.raises(QConfigError, match=r"c.yml: base\[1\]: base cycle: bad.yml -> c.yml -> bad.yml"):
+        load_config(path)
+
+
+def test_too_many_base_files(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i}.yml").write_text(f"base: f{i + 1}.yml\n" if i < 39 else "min_numel: 1\n")
+    with pytest.raises(QConfigError) as info:
+        load_config(tmp_path / "f0.yml")
+    (p,) = info.value.problems
+    assert p.file.endswith("f31.yml") and p.key_path == "base"
+    assert "more than 32 files in the base chain" in str(p) and "at most 32 distinct files" in str(p)
+    assert load_config(tmp_path / "f8.yml").min_numel == 1  # 32 files: fine
+
+
+def test_overlong_match_pattern(tmp_path):
+    text = f"overrides: [{{match: '{'a*' * 1000}x', enable: false}}]\n"
+    with pytest.raises(QConfigError) as info:
+        load_config(_write(tmp_path, text))
+    (p,) = info.value.problems
+    assert p.key_path == "overrides[0].match" and "pattern of 2001 characters is too long" in p.message
+    assert "at most 2000 characters" in p.allowed
+    assert load_config(_write(tmp_path, text.replace("x'", "'"))).overrides[0].match == "a*" * 1000

@@ -6,9 +6,9 @@
     plan.codec("exp_avg_sq")      # Codec(bits=4, map='power-1', signed=False, scale='rank1', ...)
 
 Modules, lowest first: ``frozen`` (FrozenDict), ``rules`` (field rules, section checks, problem
-reporting), ``model`` (the frozen dataclasses), ``lpmm`` (lpmm's format -> native), ``loader``
-(YAML, ``base`` chains -> QConfig), ``plan`` (QConfig + parameter -> StatePlan). See
-docs/config.md for every key and the resolution rules.
+reporting), ``model`` (the frozen dataclasses), ``lpmm`` (lpmm's format -> native), ``yamlfile``
+(one file's YAML, read with bounded work), ``loader`` (``base`` chains -> QConfig), ``plan``
+(QConfig + parameter -> StatePlan). See docs/config.md for every key and the resolution rules.
 """
 from .loader import load_config
 from .plan import StatePlan, resolve_plan

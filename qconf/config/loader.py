@@ -8,33 +8,37 @@ Steps for a file:
    (lpmm files are translated by :mod:`qconf.config.lpmm`).
 3. Load each ``base`` (paths relative to the file; cycles and missing files are errors), merge
    them in order, then the file itself on top: mappings merge key by key, later wins, and
-   ``overrides`` lists concatenate base-first.
+   ``overrides`` lists concatenate base-first. Every distinct file is merged once, at its first
+   place in that depth-first order (a diamond's shared base does not repeat), and a chain holds at
+   most :data:`MAX_BASE_FILES` files.
 4. Build the :class:`QConfig` from the merged dict (defaults fill what no file sets).
 
-Problems from every file in the chain are collected and raised together as one
+Reading a file is bounded (:mod:`qconf.config.yamlfile`: its size, its YAML nodes counting each
+alias use as a copy, its nesting), and every failure of any kind is a problem. Problems from
+every file in the chain are collected and raised together as one
 :class:`~qconf.errors.QConfigError`; nothing is returned or mutated unless all is valid.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import re
 import warnings
 from typing import Any, Mapping
 
-import yaml
-
 from ..errors import Problem, QConfigError, QConfigWarning
 from .builtin import resolve_builtin
 from .lpmm import is_upper_key, lpmm_to_native
 from .model import Override, QConfig, WeightsConfig
-from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, check_override, check_section, check_states,
-                    check_value, fmt, join, kind, unknown_key)
+from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, as_text, check_override, check_section,
+                    check_states, check_value, fmt, kind, unknown_key)
+from .yamlfile import read_yaml
 
 __all__ = ["load_config"]
 
 _DICT = "<dict>"
+#: Distinct files one config may pull in through ``base`` (the top file included).
+MAX_BASE_FILES = 32
 
 
 def load_config(src: Any, *, base_dir: str | os.PathLike[str] | None = None) -> QConfig:
@@ -60,21 +64,33 @@ def load_config(src: Any, *, base_dir: str | os.PathLike[str] | None = None) -> 
         return QConfig()
     if isinstance(src, Mapping):
         top = _DICT
-        merged = loader.load_mapping(src, _DICT, os.fspath(base_dir) if base_dir is not None else os.getcwd())
+        merged = loader.load_mapping(src, _DICT, _path_text(base_dir, "base_dir") if base_dir is not None
+                                     else os.getcwd())
         source = None
     elif isinstance(src, (str, os.PathLike)):
-        top = os.fspath(src)
+        top = _path_text(src, "path")
         loader.top_dir = os.path.dirname(os.path.abspath(top))
         merged = loader.load_top_file(top)
         source = top
     else:
-        raise QConfigError(Problem(_DICT, "", src, "a path, a dict or a QConfig",
-                                   f"cannot load a config from {kind(src)} ({type(src).__name__})"))
+        rep = Reporter(_DICT)
+        rep.add("", src, f"cannot load a config from {kind(src)} ({type(src).__name__})", "a path, a dict or a QConfig")
+        raise QConfigError(rep.problems)
     for message in loader.warnings:
         warnings.warn(QConfigWarning(message), stacklevel=2)
     if loader.problems:
         raise QConfigError(loader.problems)
     return _build(merged, top, source)
+
+
+def _path_text(path: Any, what: str) -> str:
+    """A path as text (``os.PathLike`` may give bytes), or QConfigError."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        rep = Reporter(_DICT)
+        rep.add("", path, f"{what} {fmt(path)} is not a path ({type(path).__name__})", "a str or os.PathLike path")
+        raise QConfigError(rep.problems) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,57 +103,72 @@ class _OverrideEntry:
 
 
 class _Loader:
+    """Visits a config and its ``base`` files depth-first, bases before the file naming them, each
+    distinct file (by resolved path) once: ``layers`` is that linear order, merged at the end. A
+    file reached again through another path (a diamond) adds nothing, so inheritance cannot
+    multiply overrides; a file reached again through its own chain is a cycle (an error)."""
+
     def __init__(self) -> None:
         self.problems: list[Problem] = []
         self.warnings: list[str] = []
-        self.cache: dict[str, dict[str, Any]] = {}   # realpath -> merged partial dict of that file
+        self.visited: set[str] = set()          # realpaths of the files already in ``layers``
+        self.layers: list[dict[str, Any]] = []  # partial dicts, each base before the files naming it
         self.top_dir = os.getcwd()
 
     # -- files ---------------------------------------------------------------------------------
     def load_top_file(self, path: str) -> dict[str, Any]:
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             self.problems.append(Problem(path, "", path, "", "config file not found"))
             return {}
-        return self.load_file(path, [])
-
-    def load_file(self, path: str, stack: list[tuple[str, str]]) -> dict[str, Any]:
-        real = os.path.realpath(path)
-        if real in self.cache:
-            return copy.deepcopy(self.cache[real])
-        rep = Reporter(path)
-        raw = _read_yaml(path, rep)
-        merged: dict[str, Any] = {}
-        if raw is not BAD:
-            merged = self._load_document(raw, rep, os.path.dirname(path), stack + [(real, path)])
-        self.problems.extend(rep.problems)
-        self.cache[real] = merged
-        return copy.deepcopy(merged)
+        self._visit_file(path, [])
+        return self._merged()
 
     def load_mapping(self, raw: Mapping[Any, Any], display: str, base_dir: str) -> dict[str, Any]:
         rep = Reporter(display)
-        merged = self._load_document(raw, rep, base_dir, [])
+        self._visit_document(raw, rep, base_dir, [])
         self.problems.extend(rep.problems)
+        return self._merged()
+
+    def _merged(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for layer in self.layers:
+            _merge(merged, layer)
         return merged
 
+    def _visit_file(self, path: str, stack: list[tuple[str, str]]) -> None:
+        real = os.path.realpath(path)
+        self.visited.add(real)
+        rep = Reporter(path)
+        raw = read_yaml(path, rep)
+        if raw is not BAD:
+            self._visit_document(raw, rep, os.path.dirname(path), stack + [(real, path)])
+        self.problems.extend(rep.problems)
+
     # -- one document ----------------------------------------------------------------------------
-    def _load_document(self, raw: Any, rep: Reporter, here: str, stack: list[tuple[str, str]]) -> dict[str, Any]:
+    def _visit_document(self, raw: Any, rep: Reporter, here: str, stack: list[tuple[str, str]]) -> None:
         own = self._partial(raw, rep)
-        merged: dict[str, Any] = {}
         for entry, key_path in own.pop("base", []):
             path = os.path.normpath(os.path.join(here, os.path.expanduser(entry)))
+            if "\0" in path:
+                rep.add(key_path, entry, f"{fmt(path)} is not a path (it contains a NUL character)")
+                continue
             real = os.path.realpath(path)
             chain = [r for r, _ in stack]
             if real in chain:
                 names = [self._short(d) for _, d in stack[chain.index(real):]] + [self._short(path)]
                 rep.add(key_path, entry, "base cycle: " + " -> ".join(names))
-                continue
-            if not os.path.isfile(path):
+            elif real in self.visited:
+                continue  # already merged, before every file that names it: each file counts once
+            elif not os.path.lexists(path) or os.path.isdir(path):
                 what = "is a directory" if os.path.isdir(path) else "does not exist"
                 rep.add(key_path, entry, f"base file {path!r} {what}")
-                continue
-            _merge(merged, self.load_file(path, stack))
-        _merge(merged, own)
-        return merged
+            elif len(self.visited) >= MAX_BASE_FILES:
+                rep.add(key_path, entry, f"more than {MAX_BASE_FILES} files in the base chain",
+                        f"at most {MAX_BASE_FILES} distinct files in one config, its own file included")
+                break
+            else:
+                self._visit_file(path, stack)
+        self.layers.append(own)
 
     def _short(self, path: str) -> str:
         """A path for cycle messages: relative to the top file's directory when below it."""
@@ -155,8 +186,8 @@ class _Loader:
         upper = [k for k in raw if is_upper_key(k)]
         lower = [k for k in raw if not is_upper_key(k)]
         if upper and lower:
-            rep.add("", sorted(map(str, raw)), "mixes lpmm upper-case keys (" + ", ".join(map(str, upper)) +
-                    ") with native keys (" + ", ".join(map(str, lower)) + "); use one format per file",
+            rep.add("", sorted(map(as_text, raw)), "mixes lpmm upper-case keys (" + ", ".join(upper) +
+                    ") with native keys (" + ", ".join(map(as_text, lower)) + "); use one format per file",
                     "all native lower-case keys, or all lpmm upper-case keys")
             return {}
         if upper:
@@ -262,72 +293,3 @@ def _build(merged: dict[str, Any], top: str, source: str | None) -> QConfig:
             else:
                 problems.append(dataclasses.replace(p, file=top))
         raise QConfigError(problems) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# YAML
-# ---------------------------------------------------------------------------------------------
-def _read_yaml(path: str, rep: Reporter) -> Any:
-    """Parse one YAML file; report (and return ``BAD``) on unreadable files, syntax errors and
-    duplicate keys. An empty file is ``None``."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        rep.add("", path, f"cannot read config file: {e.strerror or e}")
-        return BAD
-    loader = None
-    try:
-        loader = yaml.SafeLoader(data)
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        before = len(rep.problems)
-        _find_duplicate_keys(node, "", rep, set())
-        if len(rep.problems) != before:
-            return BAD
-        return loader.construct_document(node)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        label = "YAML error" if isinstance(e, yaml.constructor.ConstructorError) else "YAML syntax error"
-        text = e.problem or e.context or "invalid YAML"
-        if e.context and e.problem:
-            text = f"{text} ({e.context})"
-        rep.add("", None, f"{label}: {text}", line=mark.line + 1 if mark else None,
-                column=mark.column + 1 if mark else None)
-    except yaml.YAMLError as e:  # e.g. undecodable bytes
-        rep.add("", None, f"YAML error: {e}")
-    except RecursionError:
-        rep.add("", None, "YAML error: document nests too deeply")
-    finally:
-        if loader is not None:
-            loader.dispose()
-    return BAD
-
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-def _find_duplicate_keys(node: yaml.Node, path: str, rep: Reporter, seen: set[int]) -> None:
-    """Report repeated keys in any mapping (YAML silently keeps the last one)."""
-    if id(node) in seen:
-        return
-    seen.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        first: dict[str, int] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == _MERGE_TAG:  # '<<: *anchor' may legitimately repeat keys
-                _find_duplicate_keys(value_node, path, rep, seen)
-                continue
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            if key is not None:
-                line = key_node.start_mark.line + 1
-                if key in first:
-                    rep.add(join(path, key), key, f"duplicate key {key!r} (first defined at line {first[key]})",
-                            line=line, column=key_node.start_mark.column + 1)
-                else:
-                    first[key] = line
-            _find_duplicate_keys(value_node, join(path, key if key is not None else "?"), rep, seen)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _find_duplicate_keys(item, f"{path}[{i}]", rep, seen)

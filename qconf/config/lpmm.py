@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..codec import SCALE_TYPES
-from .rules import BAD, STATE_FIELDS, Reporter, Spec, check_value, fmt, join, kind, suggest, unknown_key
+from .rules import BAD, MAX_NUMEL, STATE_FIELDS, Reporter, Spec, check_value, fmt, join, kind, suggest, unknown_key
 
 __all__ = ["LPMM_SECTIONS", "is_upper_key", "lpmm_to_native"]
 
@@ -46,7 +46,7 @@ _TYPE_KEYS = ("DEFAULT", "DEFAULT_ONLY")
 ROUND_TYPES = {"real-nearest": "nearest", "nearest": "nearest", "real-sr": "stochastic", "sr": "stochastic"}
 _ROUND_SIMULATION = ("sr1", "sr2", "up", "down")
 _SCALE_UNSUPPORTED = ("dim01", "dim10", "rank1-group", "id")
-_THRESHOLD = Spec("int", 0, nullable=True)
+_THRESHOLD = Spec("int", 0, MAX_NUMEL, nullable=True)
 
 
 def is_upper_key(key: Any) -> bool:

@@ -25,11 +25,22 @@ __all__ = [
     "BAD", "Reporter", "Spec", "join", "fmt", "kind", "suggest", "unknown_key", "check_value", "check_section",
     "check_states", "check_codec", "check_override", "check_match", "compile_match", "state_combo_problem",
     "STATE_NAMES", "STATE_FIELDS", "OVERRIDE_STATE_FIELDS", "CODEC_FIELDS", "WEIGHTS_FIELDS", "TOP_FIELDS",
-    "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS",
+    "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS", "MAX_GROUP_SIZE",
+    "MAX_NUMEL", "MAX_NDIM", "MAX_MATCH_CHARS", "as_text",
 ]
 
 #: The optimizer-state sections of a qconfig (their defaults: :data:`qconf.config.model.DEFAULT_STATES`).
 STATE_NAMES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+# Upper bounds of the integer fields, so that no config value can overflow or allocate at the first step.
+#: A group is padded to whole blocks on the reference path (up to ``group_size - 1`` extra elements per
+#: tensor, 64 MiB of fp32 at 2^24) and its block count is int64 arithmetic in the kernels; a larger group
+#: than any tensor is ``scale: tensor``.
+MAX_GROUP_SIZE = 1 << 24
+#: A tensor's numel is an int64 in torch, so a numel threshold or bound beyond it is meaningless.
+MAX_NUMEL = (1 << 63) - 1
+#: An ``ndim`` selector: far more dimensions than any real parameter has.
+MAX_NDIM = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,6 +55,8 @@ class Reporter:
 
     def add(self, key_path: str, value: Any, message: str, allowed: str = "",
             suggestion: str | None = None, line: int | None = None, column: int | None = None) -> None:
+        if _huge_int(value):  # keep Problem printable: repr() of an int over 4300 digits raises
+            value = as_text(value)
         self.problems.append(Problem(self.file, key_path, value, allowed, message, suggestion, line, column))
 
     def raise_if_any(self) -> None:
@@ -51,9 +64,25 @@ class Reporter:
             raise QConfigError(self.problems)
 
 
+def _huge_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128
+
+
+def as_text(value: Any) -> str:
+    """``str(value)``, except that an integer too long to print in full (Python refuses to convert
+    ints over 4300 digits to text) is described by its size."""
+    if _huge_int(value):
+        digits = int(value.bit_length() * 0.30103) + 1  # log10(2): decimal digits of a b-bit integer
+        return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
+    return str(value)
+
+
 def join(path: str, key: Any) -> str:
-    """Extend a dotted key path: ``join("states", "exp_avg") == "states.exp_avg"``."""
-    key = str(key)
+    """Extend a dotted key path: ``join("states", "exp_avg") == "states.exp_avg"``. Control
+    characters, line breaks and lone surrogates in a key are escaped (a problem is one printable line)."""
+    key = as_text(key)
+    if not key.isprintable():
+        key = key.encode("unicode_escape").decode("ascii")
     return f"{path}.{key}" if path else key
 
 
@@ -66,6 +95,8 @@ def fmt(value: Any, _depth: int = 0) -> str:
         text = "true" if value else "false"
     elif isinstance(value, str):
         text = repr(value)
+    elif _huge_int(value):
+        text = as_text(value)
     elif isinstance(value, (Mapping, list, tuple)) and _depth >= 3:
         text = "{...}" if isinstance(value, Mapping) else "[...]"
     elif isinstance(value, Mapping):
@@ -142,6 +173,7 @@ class Spec:
     choices: tuple[str, ...] = ()
     nullable: bool = False
     noun: str = "value"             # enum messages: "'grop' is not a valid scale type"
+    note: str = ""                  # why the bounds are what they are, appended to allowed()
 
     def allowed(self) -> str:
         if self.kind == "bool":
@@ -150,14 +182,23 @@ class Spec:
             if self.lo is not None and self.lo == self.hi:
                 text = str(self.lo)
             elif self.hi is not None:
-                text = f"integer {self.lo}..{self.hi}"
+                text = f"integer {self.lo}..{_bound(self.hi)}"
             else:
                 text = f"integer >= {self.lo}"
         elif self.kind == "codec":
             text = f"a mapping with keys {', '.join(CODEC_FIELDS)} (scale group)"
         else:
             text = ", ".join(self.choices)
-        return text + (" or null" if self.nullable else "")
+        return text + (" or null" if self.nullable else "") + (f"; {self.note}" if self.note else "")
+
+
+def _bound(n: int) -> str:
+    """A large bound with its power of two: ``16777216 = 2^24``, ``... = 2^63-1``."""
+    if n >= 1 << 20 and n & (n - 1) == 0:
+        return f"{n} = 2^{n.bit_length() - 1}"
+    if n >= 1 << 20 and (n + 1) & n == 0:
+        return f"{n} = 2^{n.bit_length()}-1"
+    return str(n)
 
 
 def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
@@ -178,7 +219,7 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
         value = int(value)
         if (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
             what = "is not supported" if spec.lo == spec.hi else "is out of range"
-            rep.add(path, value, f"{value} {what}", spec.allowed())
+            rep.add(path, value, f"{as_text(value)} {what}", spec.allowed())
             return BAD
         return value
     if not isinstance(value, str):
@@ -200,16 +241,16 @@ STATE_FIELDS: Mapping[str, Spec] = FrozenDict({
     "map": Spec("enum", choices=tuple(MAP_NAMES), noun="map"),
     "signed": Spec("bool"),
     "scale": Spec("enum", choices=tuple(SCALE_TYPES), noun="scale type"),
-    "group_size": Spec("int", 1),
+    "group_size": Spec("int", 1, MAX_GROUP_SIZE, note="for one scale per tensor use scale: tensor"),
     "rounding": Spec("enum", choices=tuple(ROUNDING_MODES), noun="rounding mode"),
-    "min_numel": Spec("int", 0, nullable=True),
+    "min_numel": Spec("int", 0, MAX_NUMEL, nullable=True),
 })
 #: Fields an override may set for a state (``min_numel`` is a selector of the override instead).
 OVERRIDE_STATE_FIELDS: Mapping[str, Spec] = FrozenDict(
     {k: v for k, v in STATE_FIELDS.items() if k != "min_numel"})
 #: Fields of a codec section without a state's enable/threshold (the Kahan buffer's codec).
-CODEC_FIELDS: Mapping[str, Spec] = FrozenDict(
-    {k: v for k, v in STATE_FIELDS.items() if k not in ("enable", "min_numel")})
+CODEC_FIELDS: Mapping[str, Spec] = FrozenDict(  # (no 'scale: tensor' hint: this codec must use group scales)
+    {k: dataclasses.replace(v, note="") for k, v in STATE_FIELDS.items() if k not in ("enable", "min_numel")})
 MAX_COMPENSATION_GROUP = 16384  # the kernels quantize the buffer within one tile (csrc/cpu/step.cpp)
 #: Defaults of ``weights.compensation_codec`` fields the user leaves out: 8-bit signed blockwise.
 COMPENSATION_CODEC_DEFAULTS: Mapping[str, Any] = FrozenDict(
@@ -251,18 +292,20 @@ def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
 #: Rules for the scalar top-level keys.
 TOP_FIELDS: Mapping[str, Spec] = FrozenDict({
     "version": Spec("int", 1, 1),
-    "min_numel": Spec("int", 0),
+    "min_numel": Spec("int", 0, MAX_NUMEL),
 })
 TOP_KEYS = ("version", "base", "min_numel", "states", "weights", "overrides")
 SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
-    "ndim": Spec("int", 0),
-    "min_numel": Spec("int", 0),
-    "max_numel": Spec("int", 0),
+    "ndim": Spec("int", 0, MAX_NDIM),
+    "min_numel": Spec("int", 0, MAX_NUMEL),
+    "max_numel": Spec("int", 0, MAX_NUMEL),
 })
 OVERRIDE_SELECTORS = ("match", "ndim", "min_numel", "max_numel")
 OVERRIDE_ACTIONS = ("enable", "states", "weights")
 OVERRIDE_KEYS = OVERRIDE_SELECTORS + OVERRIDE_ACTIONS
 MATCH_ALLOWED = "an fnmatch glob on the parameter name such as '*.bias', or 're:<regex>'"
+#: A ``match`` pattern is compiled to a regex on load (Python's re: ~40 us a character); names are far shorter.
+MAX_MATCH_CHARS = 2000
 
 
 def check_section(raw: Any, fields: Mapping[str, Spec], path: str, rep: Reporter) -> dict[str, Any]:
@@ -347,6 +390,10 @@ def compile_match(pattern: str) -> re.Pattern[str]:
 def check_match(value: Any, path: str, rep: Reporter) -> Any:
     if not isinstance(value, str):
         rep.add(path, value, f"{fmt(value)} is not a string", MATCH_ALLOWED)
+        return BAD
+    if len(value) > MAX_MATCH_CHARS:
+        rep.add(path, value, f"pattern of {len(value)} characters is too long",
+                f"{MATCH_ALLOWED}, at most {MAX_MATCH_CHARS} characters")
         return BAD
     if value.startswith("re:"):
         regex = value[3:]
