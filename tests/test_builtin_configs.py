@@ -41,6 +41,19 @@ def test_what_counts_as_a_name(tmp_path, monkeypatch):
     assert load_config("default").min_numel == 7
 
 
+def test_base_may_name_a_builtin(tmp_path):
+    (tmp_path / "mine.yml").write_text("base: 8bit\nmin_numel: 7\n")
+    mine = load_config(tmp_path / "mine.yml")
+    eight = load_config("8bit")
+    assert mine.min_numel == 7 and mine.states == eight.states
+    (tmp_path / "8bit").write_text("min_numel: 9\n")  # a file beside the config wins over the name
+    (tmp_path / "mine.yml").write_text("base: 8bit\n")
+    assert load_config(tmp_path / "mine.yml").min_numel == 9
+    (tmp_path / "bad.yml").write_text("base: nosuch\n")
+    with pytest.raises(QConfigError, match="base file .*nosuch.* does not exist"):
+        load_config(tmp_path / "bad.yml")
+
+
 def test_unknown_name_lists_the_builtins():
     with pytest.raises(QConfigError) as info:
         load_config("defualt")

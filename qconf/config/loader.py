@@ -27,7 +27,7 @@ import warnings
 from typing import Any, Mapping
 
 from ..errors import Problem, QConfigError, QConfigWarning
-from .builtin import resolve_builtin
+from .builtin import builtin_names, builtin_path, is_builtin_name, resolve_builtin
 from .lpmm import is_upper_key, lpmm_to_native
 from .model import Override, QConfig, WeightsConfig
 from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, as_text, check_override, check_section,
@@ -148,7 +148,7 @@ class _Loader:
     def _visit_document(self, raw: Any, rep: Reporter, here: str, stack: list[tuple[str, str]]) -> None:
         own = self._partial(raw, rep)
         for entry, key_path in own.pop("base", []):
-            path = os.path.normpath(os.path.join(here, os.path.expanduser(entry)))
+            path = _base_path(here, entry)
             if "\0" in path:
                 rep.add(key_path, entry, f"{fmt(path)} is not a path (it contains a NUL character)")
                 continue
@@ -217,6 +217,15 @@ def _native_partial(raw: Mapping[Any, Any], rep: Reporter) -> dict[str, Any]:
         else:
             unknown_key(rep, "", key, TOP_KEYS)
     return out
+
+
+def _base_path(here: str, entry: str) -> str:
+    """The file a ``base`` entry names: a path relative to the naming file's directory ``here``,
+    or, when no such file exists, a built-in config name (``base: default``)."""
+    path = os.path.normpath(os.path.join(here, os.path.expanduser(entry)))
+    if not os.path.lexists(path) and is_builtin_name(entry) and entry in builtin_names():
+        return str(builtin_path(entry))
+    return path
 
 
 def _native_base(value: Any, rep: Reporter) -> list[tuple[str, str]]:
