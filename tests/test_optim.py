@@ -246,7 +246,7 @@ def test_override_quantize_enable_before_and_after_states_exist():
     opt.override_quantize_enable(model[0], "weight", True)
     assert isinstance(opt.state[w]["exp_avg"], QTensor)
     sd = opt.state_dict()
-    assert sd["qconf"]["enable_overrides"] == {0: True, 3: True}
+    assert sd["param_groups"][0]["qconf"]["enable_overrides"] == [[0, True], [3, True]]
 
 
 def test_override_quantize_enable_errors():

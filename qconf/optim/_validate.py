@@ -1,8 +1,19 @@
 """Argument validation and small numeric helpers shared by the optimizers (messages match
-torch.optim's)."""
+torch.optim's).
+
+Each optimizer's hyperparameters are checked by one function (:func:`adam_group`,
+:func:`sgd_group`, :func:`lion_group`), called by its constructor and, through
+:meth:`QOptimizer.validate_group`, by ``load_state_dict`` on every saved param group -- so a
+checkpoint can hold only hyperparameters the constructor accepts. On top of torch.optim's range
+checks they require real numbers (a one-element tensor where torch allows a tensor: ``lr``,
+``betas``), finite values (a NaN or infinite lr, eps, weight decay, momentum or dampening only
+ever produces NaN/inf parameters) and real booleans for flags.
+"""
 from __future__ import annotations
 
-from typing import Any
+import math
+import numbers
+from typing import Any, Mapping
 
 import torch
 
@@ -12,30 +23,129 @@ def scalar(x: Any) -> float:
     return x.item() if isinstance(x, torch.Tensor) else float(x)
 
 
+def _real(what: str, value: Any, tensor_ok: bool = False) -> float:
+    """``value`` as a float: a real number (not a bool), or a one-element real tensor where
+    ``tensor_ok``; ``what`` is the message prefix naming it."""
+    if tensor_ok and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {what} must be 1-element")
+        if not value.is_floating_point():
+            raise ValueError(f"Tensor {what} must be a floating tensor, got dtype {value.dtype}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kinds = "a real number or a one-element tensor" if tensor_ok else "a real number"
+        raise ValueError(f"{what} must be {kinds}, got {type(value).__name__} {value!r}")
+    try:
+        return float(value)
+    except (OverflowError, ValueError, TypeError) as e:
+        raise ValueError(f"{what} must be a finite real number, got {value!r}") from e
+
+
+def _finite(x: float, message: str) -> float:
+    if not math.isfinite(x):
+        raise ValueError(f"{message} (must be finite)")
+    return x
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_lr(lr: Any) -> None:
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
+    """torch's learning-rate check (a non-negative number or one-element tensor), finite."""
+    x = _real("lr", lr, tensor_ok=True)
+    if not 0.0 <= x:
         raise ValueError(f"Invalid learning rate: {lr}")
+    _finite(x, f"Invalid learning rate: {lr}")
 
 
-def check_adam_like(lr: Any, betas: Any, eps: float | None, weight_decay: float) -> tuple[float, float]:
-    """torch.optim.Adam's checks; returns betas as floats."""
+def _stored(value: Any, x: float) -> Any:
+    """What a group keeps for a checked number: the value as given when it is a Python int or
+    float (as torch keeps it), else its float (a numpy scalar, a Fraction, ...)."""
+    return value if type(value) in (int, float) else x
+
+
+def _non_negative(what: str, value: Any) -> float:
+    """A finite number >= 0 (torch's ``Invalid <what> value`` message)."""
+    x = _real(what, value)
+    if not 0.0 <= x:
+        raise ValueError(f"Invalid {what} value: {value}")
+    return _finite(x, f"Invalid {what} value: {value}")
+
+
+def _lr(lr: Any) -> Any:
+    """The checked learning rate as a group keeps it (a one-element tensor stays a tensor)."""
     check_lr(lr)
-    if eps is not None and not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
+    return lr if isinstance(lr, torch.Tensor) else _stored(lr, float(lr))
+
+
+def _betas(betas: Any) -> tuple[float, float]:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    out = []
     for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
+        x = _real(f"beta parameter at index {i}", b, tensor_ok=True)
+        if not 0.0 <= x < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    return scalar(betas[0]), scalar(betas[1])
+        out.append(x)
+    return out[0], out[1]
 
 
-def refuse_unsupported(name: str, *, amsgrad: bool = False, capturable: bool = False,
-                       differentiable: bool = False) -> None:
+def adam_group(group: Mapping[str, Any], name: str, decoupled: bool) -> dict[str, Any]:
+    """Adam/AdamW (``decoupled``) hyperparameters of one group, checked as torch.optim.Adam does;
+    torch-only keys, when present, must ask for what qconf implements. Returns the
+    hyperparameters with ``betas`` as a tuple of floats."""
+    lr = _lr(group["lr"])
+    eps = _non_negative("epsilon", group["eps"])
+    betas = _betas(group["betas"])
+    wd = _non_negative("weight_decay", group["weight_decay"])
+    _refuse_torch_options(name, group)
+    if _flag("decoupled_weight_decay", group.get("decoupled_weight_decay", decoupled)) != decoupled:
+        other = "AdamW" if group["decoupled_weight_decay"] else "Adam"
+        raise ValueError(f"{name}: decoupled_weight_decay={group['decoupled_weight_decay']!r} is not supported; "
+                         f"use qconf.optim.{other}")
+    return {"lr": lr, "betas": betas, "eps": _stored(group["eps"], eps),
+            "weight_decay": _stored(group["weight_decay"], wd), "maximize": _flag("maximize", group["maximize"]),
+            "factor_second_moment": _flag("factor_second_moment", group["factor_second_moment"])}
+
+
+def sgd_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """SGD hyperparameters of one group, checked as torch.optim.SGD does (plus a finite
+    dampening); returns them."""
+    lr = _lr(group["lr"])
+    momentum = _non_negative("momentum", group["momentum"])
+    wd = _non_negative("weight_decay", group["weight_decay"])
+    dampening = _finite(_real("dampening", group["dampening"]), f"Invalid dampening value: {group['dampening']}")
+    nesterov = _flag("nesterov", group["nesterov"])
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    _refuse_torch_options("SGD", group)
+    return {"lr": lr, "momentum": _stored(group["momentum"], momentum),
+            "dampening": _stored(group["dampening"], dampening), "weight_decay": _stored(group["weight_decay"], wd),
+            "nesterov": nesterov, "maximize": _flag("maximize", group["maximize"])}
+
+
+def lion_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """Lion hyperparameters of one group (lr, betas in [0, 1), weight decay); returns them with
+    ``betas`` as a tuple of floats."""
+    lr = _lr(group["lr"])
+    betas = _betas(group["betas"])
+    wd = _non_negative("weight_decay", group["weight_decay"])
+    return {"lr": lr, "betas": betas, "weight_decay": _stored(group["weight_decay"], wd),
+            "maximize": _flag("maximize", group["maximize"])}
+
+
+def _refuse_torch_options(name: str, group: Mapping[str, Any]) -> None:
+    """torch.optim's flags for what qconf does not implement (present in torch's checkpoints and
+    accepted by the constructors) must be False."""
+    flags = {k: _flag(k, group[k]) for k in ("amsgrad", "capturable", "differentiable") if k in group}
+    refuse_unsupported(name, **flags)
+
+
+def refuse_unsupported(name: str, *, amsgrad: Any = False, capturable: Any = False,
+                       differentiable: Any = False) -> None:
     """Options of torch.optim that qconf does not implement get a clear error, never a silent no-op."""
     if amsgrad:
         raise ValueError(f"{name}: amsgrad=True is not supported (its max_exp_avg_sq state would need a "

@@ -24,11 +24,11 @@ than lpmm's 0/0 = NaN. 1-D parameters keep a (quantized) dense ``exp_avg_sq``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
-from ._validate import check_adam_like, ieee_sqrt, refuse_unsupported, scalar
+from ._validate import adam_group, ieee_sqrt, scalar
 from .base import QOptimizer
 from .spec import Hyper, Slot, StateSpec
 from .states import factored_dense
@@ -39,6 +39,7 @@ _TORCH_ADAM_KEYS = {"amsgrad": False, "foreach": None, "capturable": False, "dif
 class _AdamBase(QOptimizer):
     decoupled_weight_decay: bool = True
     qconf_only_group_keys = ("factor_second_moment",)
+    layout_variants = ({"factor_second_moment": False}, {"factor_second_moment": True})
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
@@ -46,14 +47,17 @@ class _AdamBase(QOptimizer):
                  capturable: bool = False, differentiable: bool = False, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
                  compensation: str | None = None) -> None:
-        betas = check_adam_like(lr, betas, eps, weight_decay)
-        refuse_unsupported(type(self).__name__, amsgrad=amsgrad, capturable=capturable,
-                           differentiable=differentiable)
         del foreach  # accepted for signature compatibility; qconf picks fused or reference itself
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
-                    "factor_second_moment": factor_second_moment}
+        defaults = self.validate_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                        "maximize": maximize, "factor_second_moment": factor_second_moment,
+                                        "amsgrad": amsgrad, "capturable": capturable,
+                                        "differentiable": differentiable})
         super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
                          bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
+
+    @classmethod
+    def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:
+        return adam_group(group, cls.__name__, cls.decoupled_weight_decay)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         shape = tuple(p.shape)

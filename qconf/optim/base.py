@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.optim import Optimizer
@@ -70,6 +70,8 @@ class QOptimizer(NamedParams, Optimizer):
     qconf_only_group_keys: tuple[str, ...] = ()
     #: group keys torch.optim expects (added by export_torch_state_dict)
     torch_group_defaults: dict[str, Any] = {}
+    #: group settings giving every layout of states the rule keeps (see :mod:`qconf.optim.checkpoint`)
+    layout_variants: tuple[dict[str, Any], ...] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
@@ -162,6 +164,12 @@ class QOptimizer(NamedParams, Optimizer):
         if compute_dtype(real) == torch.float64:
             specs = [dataclasses.replace(s, dtype=torch.float64) if s.dtype == torch.float32 else s for s in specs]
         return specs
+
+    @classmethod
+    def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:
+        """A group's hyperparameters checked by the constructor's rules (``ValueError``) and
+        normalized; the constructor and ``load_state_dict`` both call it."""
+        raise NotImplementedError
 
     def _specs(self, group: dict[str, Any], p: torch.Tensor, plan: StatePlan) -> list[StateSpec]:
         """The rule's states of ``p`` plus the Kahan buffer when its weights are compensated."""
@@ -366,45 +374,43 @@ class QOptimizer(NamedParams, Optimizer):
         return rng.uniform(key, numel, device=device)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict with quantized states as plain dicts and a ``qconf`` section.
-
-        Loads with ``torch.load(weights_only=True)``. Layout::
-
-            {"state": {i: {"step": tensor, "exp_avg": {"codes", "scales", "shape", "codec"} | tensor, ...}},
-             "param_groups": [...],
-             "qconf": {"format_version": 1, "qconfig": {...}, "seed": int, "enable_overrides": {i: bool}}}
-        """
-        sd = super().state_dict()
-        sd["state"] = {i: {k: (v.to_dict() if isinstance(v, QTensor) else v) for k, v in s.items()}
-                       for i, s in sd["state"].items()}
-        sd["qconf"] = {
-            "format_version": checkpoint.FORMAT_VERSION,
-            "optimizer": type(self).__name__,
-            "qconfig": self.qconfig.to_dict(),
-            "seed": self._seed,
-            "enable_overrides": dict(self._enable_overrides),
-        }
+        """torch's state dict as plain data with qconf's section in every param group (layout:
+        :func:`checkpoint.pack`); ``torch.load(weights_only=True)`` loads it. Hooks run as in torch:
+        pre-hooks first, post-hooks see (and may replace) the plain dict."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = checkpoint.pack(self.param_groups, self.state, checkpoint.section(
+            type(self).__name__, self.qconfig.to_dict(), self._seed, self._enable_overrides))
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            sd = sd if result is None else result
         return sd
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a qconf state dict (any qconfig: states are re-encoded to this optimizer's plan) or
-        a torch.optim AdamW/Adam/SGD state dict (states are quantized on load).
-
-        Everything is validated before anything changes: on error a ``ValueError`` names the
-        parameter and key, and the optimizer is left exactly as it was.
-        """
+        """Load a qconf state dict (any qconfig, format 1 or 2) or a torch.optim AdamW/Adam/SGD one
+        (what is accepted: :mod:`qconf.optim.checkpoint`); hooks run as in torch. Everything is
+        validated first: on error a ``ValueError`` names the group or parameter and key, and the
+        optimizer is left exactly as it was."""
+        if isinstance(state_dict, Mapping):
+            state_dict = dict(state_dict)  # pre-hooks get a shallow copy, as in torch
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         loaded = checkpoint.parse(state_dict, self._checkpoint_target())
         self._layout_version += 1
-        self._enable_overrides = loaded.enable_overrides
-        self._seed = loaded.seed
-        self._plans = {}
-        for group, hyper in zip(self.param_groups, loaded.group_hyper):
-            group.update(hyper)
+        self._enable_overrides, self._seed, self._plans = loaded.enable_overrides, loaded.seed, {}
+        for group, new in zip(self.param_groups, loaded.groups):
+            own = {k: group[k] for k in ("params", "param_names") if k in group}
+            group.clear()  # in place: caches keyed by id(group) stay valid (the layout version moved)
+            group.update(new, **own)
         self.state.clear()
         params = [p for _, p, _ in self._named_params()]
-        for index, entry in loaded.states.items():
-            self.state[params[index]] = entry
+        self.state.update({params[index]: entry for index, entry in loaded.states.items()})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _checkpoint_target(self) -> checkpoint.Target:
         """What :func:`checkpoint.parse` needs to know about this optimizer."""
@@ -420,7 +426,8 @@ class QOptimizer(NamedParams, Optimizer):
             optimizer=type(self).__name__, defaults=self.defaults, param_groups=self.param_groups,
             names=[n for n, _, _ in named], params=[p for _, p, _ in named], seed=self._seed,
             enable_overrides=self._enable_overrides, requires_step=self.requires_step,
-            lazy_states=self.lazy_states, planned_states=planned)
+            lazy_states=self.lazy_states, planned_states=planned, validate_group=self.validate_group,
+            layout_variants=self.layout_variants)
 
 
 _META_PARAM = torch.empty(2, device="meta")  # 1-D stand-in: no factoring, one spec per torch.optim state

@@ -1,14 +1,43 @@
 """Checkpoint parsing and conversion for qconf optimizers.
 
-``parse`` turns a state dict -- qconf's own (any qconfig) or torch.optim's AdamW/Adam/SGD -- into
-fully built new optimizer state *without touching the optimizer*, so a bad checkpoint raises
-before anything changes. The optimizer describes itself to it as a :class:`Target`.
-``export_torch_state_dict`` goes the other way.
+``parse`` turns a state dict -- qconf's own (any qconfig, format 1 or 2) or torch.optim's
+AdamW/Adam/SGD -- into fully built new optimizer contents *without touching the optimizer*, so a
+bad checkpoint raises ``ValueError`` before anything changes. The optimizer describes itself to
+it as a :class:`Target`. ``export_torch_state_dict`` goes the other way.
+
+**Where qconf's own data lives (format 2).** Every param group carries a ``"qconf"`` section (see
+:func:`section`): format version, optimizer class, qconfig (a record of how the states were
+written; on load it is only checked to be readable -- states carry their own codecs), the RNG
+seed and the ``override_quantize_enable`` calls. ``torch.distributed.checkpoint``'s
+``get_optimizer_state_dict`` keeps only ``state`` and ``param_groups``, so a top-level section
+(format 1, still read) was lost there. DCP loads a checkpoint into the loading optimizer's own
+state dict leaf by leaf, so the overrides are stored as one leaf (a list of ``[index, enable]``
+pairs), not as a dict whose keys the loading optimizer may not have.
+
+**Param groups** round-trip as in torch.optim: every saved key is kept (``initial_lr``,
+``max_lr``, ... of LR schedulers too), ``params`` (and ``param_names``, which feed the qconfig's
+overrides) stay the optimizer's own. A hyperparameter the checkpoint lacks keeps the optimizer's
+value; the hyperparameters are checked by the constructor's own rules (``validate_group``).
+
+**Which states an entry may hold.** A rule's ``layout_variants`` are the settings of its
+layout-deciding hyperparameters (Adam's ``factor_second_moment``, SGD's ``momentum`` zero or not).
+An entry is accepted when every key is a state the rule keeps under some variant and it holds all
+states of at least one variant -- which is what a live optimizer holds after a user changed such a
+hyperparameter mid-run (the old states stay; the new ones are created at the next step). So an
+Adam entry with ``exp_avg`` and ``exp_avg_sq`` loads under ``factor_second_moment=True`` and an
+entry with ``exp_avg`` alone does not. States the optimizer creates on demand are never required:
+lazy states (SGD's momentum buffer, as in torch.optim) and the Kahan buffer (starts at zero). An
+empty entry means "no state yet", as in torch.
+
+**Values** are checked before use: tensors finite and of the state's shape, second moments
+(``exp_avg_sq`` and its factored statistics) non-negative, quantized states with a valid codec,
+finite non-negative scales and codes inside the map; steps whole numbers in ``[0, 2**53]``.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
@@ -16,14 +45,21 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..codec import Codec, QTensor
+from ..codec import packing
 from ..config import load_config
 from ..errors import QConfigError
-from .spec import StateSpec
+from .spec import Slot, StateSpec
 from .states import convert_state, factored_dense
 
-__all__ = ["FORMAT_VERSION", "Target", "Loaded", "parse", "export_torch_state_dict"]
+__all__ = ["FORMAT_VERSION", "SECTION_KEY", "Target", "Loaded", "section", "pack", "parse", "export_torch_state_dict"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: the param-group key (format 2) or top-level key (format 1) of qconf's section
+SECTION_KEY = "qconf"
+_MAX_STEP = 2**53
+_SEED_MAX = 2**64 - 1
+_NON_NEGATIVE = (Slot.SECOND, Slot.ROW, Slot.COL)  # second-moment states: v >= 0 (the rule takes sqrt(v))
+_OWN_GROUP_KEYS = ("params", "param_names", SECTION_KEY)  # never taken from a checkpoint's group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +68,7 @@ class Target:
 
     Attributes:
         optimizer: its class name (a qconf checkpoint names the class that wrote it).
-        defaults: its hyperparameter defaults (which group keys are hyperparameters, and their types).
+        defaults: its hyperparameter defaults (their keys are the hyperparameters).
         param_groups: its current param groups.
         names, params: every parameter's qualified name ('' if unnamed) and tensor, in state_dict order.
         seed, enable_overrides: its current RNG seed and ``override_quantize_enable`` calls.
@@ -40,6 +76,9 @@ class Target:
         lazy_states: states torch.optim saves as None before their first use.
         planned_states: ``(index, group, force_enable) -> [(spec, codec)]``: the states parameter
             ``index`` keeps under ``group``'s hyperparameters and an enable override, with codecs.
+        validate_group: the constructor's check of one group's hyperparameters (ValueError), which
+            returns them normalized.
+        layout_variants: group settings that give every layout of states the rule can keep.
     """
 
     optimizer: str
@@ -52,16 +91,51 @@ class Target:
     requires_step: bool
     lazy_states: tuple[str, ...]
     planned_states: Callable[[int, dict[str, Any], bool | None], list[tuple[StateSpec, Codec | None]]]
+    validate_group: Callable[[Mapping[str, Any]], dict[str, Any]]
+    layout_variants: Sequence[Mapping[str, Any]]
 
 
 @dataclasses.dataclass
 class Loaded:
-    """New optimizer contents produced by :func:`parse` (committed by ``load_state_dict``)."""
+    """New optimizer contents produced by :func:`parse` (committed by ``load_state_dict``).
+    ``groups`` are the new param groups without ``params``/``param_names``."""
 
     states: dict[int, dict[str, Any]]
-    group_hyper: list[dict[str, Any]]
+    groups: list[dict[str, Any]]
     enable_overrides: dict[int, bool]
     seed: int
+
+
+def section(optimizer: str, qconfig: dict[str, Any], seed: int, enable_overrides: Mapping[int, bool]) -> dict[str, Any]:
+    """qconf's section of a param group in a format-2 state dict (plain data)."""
+    return {"format_version": FORMAT_VERSION, "optimizer": optimizer, "qconfig": qconfig, "seed": seed,
+            "enable_overrides": [[i, bool(e)] for i, e in sorted(enable_overrides.items())]}
+
+
+def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Mapping[str, Any]],
+         qsection: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state dict as plain data (format 2)::
+
+        {"state": {i: {"step": tensor, "exp_avg": {"codes", "scales", "shape", "codec"} | tensor, ...}},
+         "param_groups": [{...every group key..., "params": [i, ...], "qconf": qsection}, ...]}
+
+    Parameter ids are torch's (a parameter's first position in the groups); every group gets its
+    own copy of ``qsection`` (:func:`section`); quantized states become :meth:`QTensor.to_dict`."""
+    ids: dict[int, int] = {}
+    groups = []
+    start = 0
+    for g in param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        for i, p in enumerate(g["params"], start):
+            ids.setdefault(id(p), i)
+        packed["params"] = [ids[id(p)] for p in g["params"]]
+        packed[SECTION_KEY] = copy.deepcopy(qsection)
+        start += len(g["params"])
+        groups.append(packed)
+    packed_state = {(ids[id(k)] if isinstance(k, torch.Tensor) else k):
+                    {n: (v.to_dict() if isinstance(v, QTensor) else v) for n, v in s.items()}
+                    for k, s in state.items()}
+    return {"state": packed_state, "param_groups": groups}
 
 
 class _Fail(ValueError):
@@ -73,7 +147,7 @@ def _fail(msg: str) -> None:
 
 
 def parse(sd: Any, opt: Target) -> Loaded:
-    """Validate ``sd`` against the optimizer ``opt`` and build the new state (see module docstring)."""
+    """Validate ``sd`` against the optimizer ``opt`` and build the new contents (see module docstring)."""
     try:
         return _parse(opt, sd)
     except _Fail as e:
@@ -87,8 +161,43 @@ def _parse(opt: Target, sd: Any) -> Loaded:
         if key not in sd:
             _fail(f"missing top-level key {key!r} (found: {sorted(map(str, sd))})")
     saved_groups = sd["param_groups"]
-    if not isinstance(saved_groups, (list, tuple)) or not all(isinstance(g, Mapping) and "params" in g
-                                                               for g in saved_groups):
+    saved_to_index = _param_ids(opt, saved_groups)
+    sections = _find_sections(sd, saved_groups)
+    if sections is not None:
+        seed, saved_overrides = _parse_sections(opt, sections)
+    else:  # a torch.optim state dict
+        seed, saved_overrides = opt.seed, {}
+    overrides = {**saved_overrides, **opt.enable_overrides}  # explicit calls on this optimizer win
+    groups = [_parse_group(opt, gi, sg) for gi, sg in enumerate(saved_groups)]
+    group_of_index = []
+    for g, live in zip(groups, opt.param_groups):
+        group_of_index.extend([g] * len(live["params"]))
+
+    saved_state = sd["state"]
+    if not isinstance(saved_state, Mapping):
+        _fail(f"'state' must be a dict, got {type(saved_state).__name__}")
+    states: dict[int, dict[str, Any]] = {}
+    for saved_id, entry in saved_state.items():
+        index = saved_to_index.get(saved_id)
+        if index is None:
+            _fail(f"state entry {saved_id!r} does not belong to any param group")
+        name = opt.names[index]
+        where = f"parameter {index} ({name!r})" if name else f"parameter {index}"
+        if not isinstance(entry, Mapping):
+            _fail(f"{where}: state must be a dict, got {type(entry).__name__}")
+        if not entry:
+            continue  # torch.optim's "no state yet"
+        force = overrides.get(index)
+        layouts = [opt.planned_states(index, {**group_of_index[index], **variant}, force)
+                   for variant in ({}, *opt.layout_variants)]
+        states[index] = _parse_entry(opt, where, opt.params[index], entry, layouts, torch_format=sections is None)
+    return Loaded(states, groups, overrides, seed)
+
+
+def _param_ids(opt: Target, saved_groups: Any) -> dict[Any, int]:
+    """Saved parameter id -> parameter index, after checking the groups match the optimizer's."""
+    if not isinstance(saved_groups, (list, tuple)) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups):
         _fail("'param_groups' must be a list of dicts with a 'params' list")
     if len(saved_groups) != len(opt.param_groups):
         _fail(f"the checkpoint has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}")
@@ -99,148 +208,205 @@ def _parse(opt: Target, sd: Any) -> Loaded:
             _fail(f"param group {gi} has {len(sg['params'])} params in the checkpoint, "
                   f"{len(g['params'])} in the optimizer")
         for k, saved_id in enumerate(sg["params"]):
-            saved_to_index[saved_id] = offset + k
+            if not isinstance(saved_id, (int, str)) or isinstance(saved_id, bool):
+                _fail(f"param group {gi}: parameter ids must be ints (or names, as DCP writes them), "
+                      f"got {type(saved_id).__name__}")
+            saved_to_index.setdefault(saved_id, offset + k)  # a repeated id means the same parameter (torch)
         offset += len(g["params"])
-
-    qsec = sd.get("qconf")
-    if qsec is not None:
-        seed, saved_overrides = _parse_qconf_section(opt, qsec)
-    else:  # a torch.optim state dict
-        seed, saved_overrides = opt.seed, {}
-    overrides = {**saved_overrides, **opt.enable_overrides}  # explicit calls on this optimizer win
-
-    group_hyper = [_parse_hyper(opt, gi, sg) for gi, sg in enumerate(saved_groups)]
-    group_of_index = []
-    for gi, g in enumerate(opt.param_groups):
-        merged = {**g, **group_hyper[gi]}
-        group_of_index.extend([merged] * len(g["params"]))
-
-    saved_state = sd["state"]
-    if not isinstance(saved_state, Mapping):
-        _fail("'state' must be a dict")
-    states: dict[int, dict[str, Any]] = {}
-    for saved_id, entry in saved_state.items():
-        if saved_id not in saved_to_index:
-            _fail(f"state entry {saved_id!r} does not belong to any param group")
-        index = saved_to_index[saved_id]
-        name = opt.names[index]
-        where = f"parameter {index} ({name!r})" if name else f"parameter {index}"
-        if not isinstance(entry, Mapping):
-            _fail(f"{where}: state must be a dict, got {type(entry).__name__}")
-        planned = opt.planned_states(index, group_of_index[index], overrides.get(index))
-        states[index] = _parse_entry(opt, where, opt.params[index], entry, planned, torch_format=qsec is None)
-    return Loaded(states, group_hyper, overrides, seed)
+    return saved_to_index
 
 
-def _parse_qconf_section(opt: Target, qsec: Any) -> tuple[int, dict[int, bool]]:
+def _find_sections(sd: Mapping[str, Any], saved_groups: Sequence[Mapping[str, Any]]) -> list[Any] | None:
+    """qconf's section of every group (format 2), or the top-level one (format 1), or None."""
+    found = [g[SECTION_KEY] for g in saved_groups if SECTION_KEY in g]
+    if found:
+        if len(found) != len(saved_groups):
+            _fail(f"only {len(found)} of {len(saved_groups)} param groups carry a {SECTION_KEY!r} section")
+        return found
+    if SECTION_KEY in sd:
+        return [sd[SECTION_KEY]]
+    return None
+
+
+def _parse_sections(opt: Target, sections: list[Any]) -> tuple[int, dict[int, bool]]:
+    """Seed and enable overrides from qconf's sections (all groups must agree)."""
+    first = _parse_section(opt, sections[0], check_qconfig=True)
+    for gi, sec in enumerate(sections[1:], 1):
+        if _parse_section(opt, sec, check_qconfig=False) != first:
+            _fail(f"param group {gi}'s {SECTION_KEY!r} section disagrees with param group 0's")
+    return first[1], first[2]
+
+
+def _parse_section(opt: Target, qsec: Any, check_qconfig: bool) -> tuple[int, int, dict[int, bool]]:
     if not isinstance(qsec, Mapping):
-        _fail("'qconf' section must be a dict")
+        _fail(f"{SECTION_KEY!r} section must be a dict, got {type(qsec).__name__}")
     version = qsec.get("format_version")
-    if not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
         _fail(f"unsupported qconf checkpoint format_version {version!r} (this qconf reads 1..{FORMAT_VERSION})")
     saved_opt = qsec.get("optimizer")
+    if saved_opt is not None and not isinstance(saved_opt, str):
+        _fail(f"'qconf.optimizer' must be a class name, got {type(saved_opt).__name__}")
     if saved_opt is not None and saved_opt != opt.optimizer:
         _fail(f"checkpoint was written by {saved_opt}, not {opt.optimizer}")
-    if qsec.get("qconfig") is not None:  # read it (its schema version too): a reader for it must exist
-        try:
-            load_config(qsec["qconfig"])
-        except QConfigError as e:
-            _fail("'qconf.qconfig' is not a qconfig this qconf reads: " + "; ".join(str(p) for p in e.problems))
+    if check_qconfig and qsec.get("qconfig") is not None:
+        _check_qconfig(qsec["qconfig"])
     seed = qsec.get("seed", opt.seed)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        _fail(f"'qconf.seed' must be an int, got {seed!r}")
-    raw = qsec.get("enable_overrides", {})
-    if not isinstance(raw, Mapping) or not all(isinstance(k, int) and isinstance(v, bool) for k, v in raw.items()):
-        _fail("'qconf.enable_overrides' must map parameter indexes to booleans")
-    n = sum(len(g["params"]) for g in opt.param_groups)
-    bad = [k for k in raw if not 0 <= k < n]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
+        _fail(f"'qconf.seed' must be an int in [0, 2**64), got {seed!r}")
+    raw = qsec.get("enable_overrides", [] if version >= 2 else {})
+    if version >= 2:  # [[index, enable], ...]
+        ok = isinstance(raw, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in raw)
+        pairs = list(raw) if ok else []
+    else:  # {index: enable}
+        ok = isinstance(raw, Mapping)
+        pairs = list(raw.items()) if ok else []
+    if not ok or not all(isinstance(k, int) and not isinstance(k, bool) and isinstance(v, bool) for k, v in pairs):
+        _fail("'qconf.enable_overrides' must map parameter indexes to booleans"
+              + (" (a list of [index, enable] pairs)" if version >= 2 else ""))
+    n = len(opt.params)
+    bad = [k for k, _ in pairs if not 0 <= k < n]
     if bad:
         _fail(f"'qconf.enable_overrides' names parameter {bad[0]}, but the optimizer has {n} parameters")
-    return seed, dict(raw)
+    return version, seed, dict(pairs)
 
 
-def _parse_hyper(opt: Target, gi: int, saved_group: Mapping[str, Any]) -> dict[str, Any]:
-    """Hyperparameters this optimizer knows, taken from a saved group (others are ignored)."""
-    hyper = {}
-    for key, default in opt.defaults.items():
-        if key in saved_group:
-            value = saved_group[key]
-            if isinstance(default, (int, float)) and not isinstance(default, bool):
-                ok = isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)
-            elif isinstance(default, bool):
-                ok = isinstance(value, bool)
-            elif isinstance(default, tuple):
-                ok = isinstance(value, (tuple, list)) and len(value) == len(default)
-                value = tuple(value) if ok else value
-            else:
-                ok = True
-            if not ok:
-                _fail(f"param group {gi}: {key!r} is {value!r}, expected a value like {default!r}")
-            hyper[key] = value
-    return hyper
-
-
-def _as_tensor_state(where: str, key: str, value: Any, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        _fail(f"{where}: key {key!r} must be a tensor or a quantized-state dict, got {type(value).__name__}")
-    if not value.is_floating_point():
-        _fail(f"{where}: key {key!r} has dtype {value.dtype}, expected a floating dtype")
-    if tuple(value.shape) != tuple(shape):
-        _fail(f"{where}: key {key!r} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-    return value.detach().to(device=device, dtype=torch.float32, copy=True)
-
-
-def _as_qtensor(where: str, key: str, value: Mapping[str, Any], shape: tuple[int, ...],
-                device: torch.device) -> QTensor:
-    missing = [k for k in ("codes", "scales", "shape", "codec") if k not in value]
-    if missing:
-        _fail(f"{where}: quantized state {key!r} is missing {missing}")
+def _check_qconfig(qconfig: Any) -> None:
+    """The recorded qconfig must be one this qconf reads (its schema version too), self-contained."""
+    if not isinstance(qconfig, Mapping):
+        _fail(f"'qconf.qconfig' must be a dict, got {type(qconfig).__name__}")
+    if any(isinstance(k, str) and k.lower() == "base" for k in qconfig):
+        _fail("'qconf.qconfig' must be self-contained: a checkpoint's qconfig has no 'base' files")
     try:
-        codec = Codec.from_dict(dict(value["codec"]))
-        q = QTensor(value["codes"], value["scales"], torch.Size(value["shape"]), codec)
-    except (ValueError, TypeError) as e:
-        _fail(f"{where}: quantized state {key!r} is invalid: {e}")
-    if tuple(q.shape) != tuple(shape):
-        _fail(f"{where}: key {key!r} has shape {tuple(q.shape)}, expected {tuple(shape)}")
-    return QTensor(q.codes.to(device, copy=True), q.scales.to(device, copy=True), q.shape, q.codec)
+        load_config(qconfig)
+    except QConfigError as e:
+        _fail("'qconf.qconfig' is not a qconfig this qconf reads: " + "; ".join(str(p) for p in e.problems))
 
 
-def _parse_entry(opt: Target, where: str, p: torch.Tensor, entry: Mapping[str, Any],
-                 planned: list[tuple[StateSpec, Codec | None]], torch_format: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _parse_group(opt: Target, gi: int, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The new param group ``gi`` (without params): every saved key, hyperparameters checked by
+    the constructor's rules; hyperparameters the checkpoint lacks keep the optimizer's values."""
+    live = opt.param_groups[gi]
+    new = {k: live[k] for k in opt.defaults if k in live}
+    for key, value in saved.items():
+        if key in _OWN_GROUP_KEYS:
+            continue
+        try:
+            new[key] = copy.deepcopy(value)
+        except Exception as e:  # noqa: BLE001 -- an arbitrary object's __deepcopy__ may raise anything
+            _fail(f"param group {gi}: key {key!r} cannot be copied ({type(e).__name__}: {e})")
+    try:
+        hyper = opt.validate_group(new)
+    except ValueError as e:
+        _fail(f"param group {gi}: {e}")
+    new.update(hyper)
+    return new
+
+
+def _parse_step(opt: Target, where: str, entry: Mapping[str, Any], torch_format: bool) -> torch.Tensor:
     step = entry.get("step")
     if step is None:
         if not torch_format or opt.requires_step:
             _fail(f"{where}: missing key 'step'")
         step = 0
     if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or not torch.isfinite(step.float()).all():
-            _fail(f"{where}: key 'step' must be one finite number, got a tensor of shape {tuple(step.shape)}")
+        if (step.numel() != 1 or step.layout != torch.strided or step.is_meta or step.is_complex()
+                or step.dtype == torch.bool):
+            _fail(f"{where}: key 'step' must be one real number, got a {step.dtype} tensor of shape "
+                  f"{tuple(step.shape)}")
         step = step.item()
-    if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0 or step != int(step):
-        _fail(f"{where}: key 'step' must be a non-negative whole number, got {step!r}")
-    out["step"] = torch.tensor(float(step), dtype=torch.float32)
+    if isinstance(step, float) and not math.isfinite(step):
+        step = None
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 <= step <= _MAX_STEP or step != int(step):
+        _fail(f"{where}: key 'step' must be a whole number in [0, 2**53], got {entry.get('step')!r}")
+    return torch.tensor(float(step), dtype=torch.float32)
 
-    known = {s.key for s, _ in planned} | {"step"}
+
+def _parse_entry(opt: Target, where: str, p: torch.Tensor, entry: Mapping[str, Any],
+                 layouts: list[list[tuple[StateSpec, Codec | None]]], torch_format: bool) -> dict[str, Any]:
+    """One parameter's new state. ``layouts[0]``: the states planned under the saved group;
+    the others: under each layout variant (see the module docstring for the rule)."""
+    out: dict[str, Any] = {"step": _parse_step(opt, where, entry, torch_format)}
+    known: dict[str, tuple[StateSpec, Codec | None]] = {}
+    for layout in layouts:
+        for spec, codec in layout:
+            known.setdefault(spec.key, (spec, codec))
     for key, value in entry.items():
-        if key not in known and value is not None:
+        if key != "step" and key not in known and value is not None:
             hint = " (amsgrad is not supported)" if key == "max_exp_avg_sq" else ""
             _fail(f"{where}: unexpected state key {key!r}{hint}; this {opt.optimizer} keeps "
-                  f"{sorted(known)}")
-    for spec, codec in planned:
-        if spec.key not in entry:
-            _fail(f"{where}: missing key {spec.key!r}")
-        value = entry[spec.key]
-        if value is None:
-            if opt.lazy_states and spec.key in opt.lazy_states:
-                continue  # e.g. torch SGD's momentum_buffer before its first use
-            _fail(f"{where}: key {spec.key!r} is None")
+                  f"{sorted(['step', *known])}")
+    present = [k for k in known if entry.get(k) is not None]
+
+    def optional(spec: StateSpec) -> bool:  # created on demand by the optimizer
+        return spec.key in opt.lazy_states or spec.section == "compensation"
+
+    if not any(all(s.key in present or optional(s) for s, _ in layout) for layout in layouts):
+        key = next(s.key for s, _ in layouts[0] if s.key not in present and not optional(s))
+        _fail(f"{where}: key {key!r} is None" if key in entry else f"{where}: missing key {key!r}")
+    for key in present:
+        spec, codec = known[key]
+        value = entry[key]
         if isinstance(value, Mapping):
-            value = _as_qtensor(where, spec.key, value, spec.shape, p.device)
+            value = _as_qtensor(where, key, value, spec, p.device)
         else:
-            value = _as_tensor_state(where, spec.key, value, spec.shape, p.device)
-        out[spec.key] = convert_state(value, codec, spec.dtype)
+            value = _as_tensor_state(where, key, value, spec, torch.float32 if codec is not None else spec.dtype,
+                                     p.device)
+        out[key] = convert_state(value, codec, spec.dtype)
     return out
+
+
+def _check_dense(where: str, what: str, value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        _fail(f"{where}: {what} must be a tensor or a quantized-state dict, got {type(value).__name__}")
+    if value.layout != torch.strided or value.is_meta:
+        _fail(f"{where}: {what} must be a dense tensor with data, got layout {value.layout} on {value.device}")
+
+
+def _as_tensor_state(where: str, key: str, value: Any, spec: StateSpec, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """A full-precision state as a new ``dtype`` tensor on ``device`` (``dtype``: the state's own,
+    so no precision is lost on the way, or fp32 for a state about to be encoded)."""
+    _check_dense(where, f"key {key!r}", value)
+    if not (value.is_floating_point() or (value.is_complex() and dtype.is_complex)):
+        _fail(f"{where}: key {key!r} has dtype {value.dtype}, expected a floating dtype")
+    if tuple(value.shape) != tuple(spec.shape):
+        _fail(f"{where}: key {key!r} has shape {tuple(value.shape)}, expected {tuple(spec.shape)}")
+    out = value.detach().to(device=device, dtype=dtype, copy=True)
+    if not bool(torch.isfinite(out).all()):
+        _fail(f"{where}: key {key!r} holds NaN or infinite values (as {dtype})")
+    if spec.slot in _NON_NEGATIVE and bool((out < 0).any()):
+        _fail(f"{where}: key {key!r} holds negative values; a second moment is never negative")
+    return out
+
+
+def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec, device: torch.device) -> QTensor:
+    """A quantized state record as a QTensor on ``device``, checked to decode to finite values."""
+    missing = [k for k in ("codes", "scales", "shape", "codec") if k not in value]
+    if missing:
+        _fail(f"{where}: quantized state {key!r} is missing {missing}")
+    for part in ("codes", "scales"):
+        _check_dense(where, f"quantized state {key!r}: {part!r}", value[part])
+    shape = value["shape"]
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        _fail(f"{where}: quantized state {key!r}: 'shape' must be a list of ints, got {shape!r}")
+    if tuple(shape) != tuple(spec.shape):
+        _fail(f"{where}: key {key!r} has shape {tuple(shape)}, expected {tuple(spec.shape)}")
+    if not isinstance(value["codec"], Mapping):
+        _fail(f"{where}: quantized state {key!r}: 'codec' must be a dict, got {type(value['codec']).__name__}")
+    try:
+        codec = Codec.from_dict(dict(value["codec"]))
+        q = QTensor(value["codes"], value["scales"], torch.Size(shape), codec)
+    except (ValueError, TypeError) as e:
+        _fail(f"{where}: quantized state {key!r} is invalid: {e}")
+    q = QTensor(q.codes.to(device, copy=True), q.scales.to(device, copy=True), q.shape, codec)
+    if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
+        _fail(f"{where}: quantized state {key!r} has NaN, infinite or negative scales")
+    levels = codec.qmap.numel()  # 2**bits - 1 for signed linear: the top code is outside the map
+    if levels < 2**codec.bits and q.numel() > 0 and int(packing.unpack(q.codes, codec.bits, q.numel()).max()) >= levels:
+        _fail(f"{where}: quantized state {key!r} has codes outside its {levels}-entry map")
+    if spec.slot in _NON_NEGATIVE and codec.signed and bool((q.decode() < 0).any()):
+        _fail(f"{where}: key {key!r} holds negative values; a second moment is never negative")
+    return q
 
 
 def export_torch_state_dict(opt: Any) -> dict[str, Any]:
@@ -251,10 +417,10 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
     second moment is expanded to the dense ``exp_avg_sq`` it stands for (with a warning).
     """
     sd = opt.state_dict()
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = [(p, g) for g in opt.param_groups for p in g["params"]]
     state = {}
     for index, entry in sd["state"].items():
-        p = params[index]
+        p, group = params[index]
         out = {}
         for key, value in entry.items():
             if isinstance(value, Mapping):
@@ -266,7 +432,7 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
             if key in ("exp_avg_sq_row", "exp_avg_sq_col", "kahan_comp"):  # no torch.optim counterpart
                 continue
             out[key] = value.to(p.dtype).clone()
-        if "exp_avg_sq_row" in entry:
+        if group.get("factor_second_moment") and "exp_avg_sq_row" in entry:
             warnings.warn(f"export_torch_state_dict: parameter {index} has a factored second moment; exported "
                           "as the dense exp_avg_sq it approximates", stacklevel=2)
             out["exp_avg_sq"] = factored_dense(entry["exp_avg_sq_row"], entry["exp_avg_sq_col"]).to(p.dtype)
@@ -275,7 +441,8 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
         state[index] = out
     groups = []
     for g in sd["param_groups"]:
-        g = copy.deepcopy({k: v for k, v in g.items() if k not in opt.qconf_only_group_keys})
+        drop = (*opt.qconf_only_group_keys, SECTION_KEY)
+        g = copy.deepcopy({k: v for k, v in g.items() if k not in drop})
         g.update(opt.torch_group_defaults)
         groups.append(g)
     return {"state": state, "param_groups": groups}

@@ -11,11 +11,11 @@ do the same sequence)::
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
-from ._validate import check_adam_like, scalar
+from ._validate import lion_group, scalar
 from .base import QOptimizer
 from .spec import Hyper, Slot, StateSpec
 
@@ -29,10 +29,13 @@ class Lion(QOptimizer):
                  weight_decay: float = 0.0, *, maximize: bool = False, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
                  compensation: str | None = None) -> None:
-        betas = check_adam_like(lr, betas, None, weight_decay)
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
+        defaults = self.validate_group({"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize})
         super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
                          bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
+
+    @classmethod
+    def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:
+        return lion_group(group)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         return [StateSpec("exp_avg", "exp_avg", tuple(p.shape), Slot.FIRST)]

@@ -13,11 +13,11 @@ do the same sequence; with quantization off this is torch.optim.SGD up to roundi
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
-from ._validate import check_lr, refuse_unsupported, scalar
+from ._validate import scalar, sgd_group
 from .base import QOptimizer
 from .spec import Hyper, Slot, StateSpec
 
@@ -29,6 +29,7 @@ class SGD(QOptimizer):
     kernel_rule = "sgd"
     requires_step = False
     lazy_states = ("momentum_buffer",)
+    layout_variants = ({"momentum": 0.0}, {"momentum": 0.9})  # no buffer; a buffer (any momentum != 0)
     torch_group_defaults = {"foreach": None, "differentiable": False, "fused": None}
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0, dampening: float = 0,
@@ -36,19 +37,16 @@ class SGD(QOptimizer):
                  foreach: bool | None = None, differentiable: bool = False, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
                  compensation: str | None = None) -> None:
-        check_lr(lr)
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        refuse_unsupported("SGD", differentiable=differentiable)
         del foreach
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
-                    "nesterov": nesterov, "maximize": maximize}
+        defaults = self.validate_group({"lr": lr, "momentum": momentum, "dampening": dampening,
+                                        "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
+                                        "differentiable": differentiable})
         super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
                          bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
+
+    @classmethod
+    def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:
+        return sgd_group(group)
 
     def _state_specs(self, group: dict[str, Any], p: torch.Tensor) -> list[StateSpec]:
         if group["momentum"] == 0:
