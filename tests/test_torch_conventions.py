@@ -188,3 +188,34 @@ def test_zero_size_factored_params_step_on_both_paths(shape):
         a, b = s_ref[k], s_fused[k]
         assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else torch.equal(a.codes, b.codes)), k
     assert s_fused["step"].item() == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_float64_and_complex_checkpoints_round_trip_with_torch(dtype):
+    """torch.optim's state of a float64/complex parameter loads into qconf (complex states become
+    their real view) and qconf's exports back in torch's form; both continue as torch does."""
+    from qconf.optim.checkpoint import export_torch_state_dict
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(6, 5, generator=gen, dtype=dtype)
+    grads = [torch.randn(6, 5, generator=gen, dtype=dtype) for _ in range(6)]
+    a, b = init.clone().requires_grad_(), init.clone().requires_grad_()
+    ref = torch.optim.AdamW([b], lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = AdamW([a], lr=1e-2, qconfig=FP32)
+        for g in grads[:3]:
+            a.grad, b.grad = g.clone(), g.clone()
+            ours.step()
+            ref.step()
+        fresh = AdamW([a], lr=1e-2, qconfig=FP32)
+        fresh.load_state_dict(ref.state_dict())  # torch -> qconf
+        back = torch.optim.AdamW([b], lr=1e-2)
+        back.load_state_dict(export_torch_state_dict(ours))  # qconf -> torch
+        exported = back.state_dict()["state"][0]
+        assert exported["exp_avg"].dtype == dtype and exported["exp_avg"].shape == (6, 5)
+        for g in grads[3:]:
+            a.grad, b.grad = g.clone(), g.clone()
+            fresh.step()
+            back.step()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (a.detach() - b.detach()).abs().max().item() <= tol * b.abs().max().item()

@@ -367,6 +367,8 @@ def _as_tensor_state(where: str, key: str, value: Any, spec: StateSpec, dtype: t
     """A full-precision state as a new ``dtype`` tensor on ``device`` (``dtype``: the state's own,
     so no precision is lost on the way, or fp32 for a state about to be encoded)."""
     _check_dense(where, f"key {key!r}", value)
+    if value.is_complex() and not dtype.is_complex:  # torch.optim's state of a complex parameter
+        value = torch.view_as_real(value)
     if not (value.is_floating_point() or (value.is_complex() and dtype.is_complex)):
         _fail(f"{where}: key {key!r} has dtype {value.dtype}, expected a floating dtype")
     if tuple(value.shape) != tuple(spec.shape):
@@ -431,11 +433,11 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
                 continue
             if key in ("exp_avg_sq_row", "exp_avg_sq_col", "kahan_comp"):  # no torch.optim counterpart
                 continue
-            out[key] = value.to(p.dtype).clone()
+            out[key] = _torch_form(value, p)
         if group.get("factor_second_moment") and "exp_avg_sq_row" in entry:
             warnings.warn(f"export_torch_state_dict: parameter {index} has a factored second moment; exported "
                           "as the dense exp_avg_sq it approximates", stacklevel=2)
-            out["exp_avg_sq"] = factored_dense(entry["exp_avg_sq_row"], entry["exp_avg_sq_col"]).to(p.dtype)
+            out["exp_avg_sq"] = _torch_form(factored_dense(entry["exp_avg_sq_row"], entry["exp_avg_sq_col"]), p)
         for key in opt.lazy_states:
             out.setdefault(key, None)
         state[index] = out
@@ -446,3 +448,11 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
         g.update(opt.torch_group_defaults)
         groups.append(g)
     return {"state": state, "param_groups": groups}
+
+
+def _torch_form(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state as torch.optim keeps it: a new tensor of ``p``'s dtype (a complex parameter's state,
+    kept as its ``view_as_real``, back as a complex tensor of ``p``'s shape)."""
+    if p.is_complex():
+        return torch.view_as_complex(value.to(torch.view_as_real(p).dtype).contiguous()).clone()
+    return value.to(p.dtype).clone()
