@@ -84,6 +84,8 @@ def _lr(lr: Any) -> Any:
 def _betas(betas: Any) -> tuple[float, float]:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")  # torch.optim's rule
     out = []
     for i, b in enumerate(betas):
         x = _real(f"beta parameter at index {i}", b, tensor_ok=True)

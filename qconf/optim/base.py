@@ -26,7 +26,7 @@ from ..codec import rng
 from ..config import QConfig, StatePlan, load_config, resolve_plan
 from . import checkpoint
 from . import weights as wts
-from .fused import FusedParam, FusedStepper, unfusable_reason
+from .fused import CompiledFusedSteps, FusedParam, FusedStepper, unfusable_reason
 from .params import NamedParams, compute_dtype, real_view
 from .spec import Hyper, Slot, StateSpec
 from .states import convert_state, zero_state
@@ -41,7 +41,7 @@ _STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AV
                   "compensation": rng.STREAM_COMPENSATION}
 
 
-class QOptimizer(NamedParams, Optimizer):
+class QOptimizer(NamedParams, CompiledFusedSteps, Optimizer):
     """Base class of qconf's low-bit optimizers (a :class:`torch.optim.Optimizer`).
 
     Args:
@@ -235,20 +235,29 @@ class QOptimizer(NamedParams, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        index = self._param_index()
+        if self._kernel is not None and torch.compiler.is_compiling():
+            for group in self._compiled_fused_steps():  # (fused.CompiledFusedSteps)
+                self._reference_group(group)
+            return loss
         for group in self.param_groups:
             if self._kernel is not None and self._fusable(group):
                 self._fused_step(group)
-                continue
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                i = index[id(p)]
-                new = self._ensure_state(p, i, group)
-                self._reference_step(p, i, group, new)
+            else:
+                self._reference_group(group)
         return loss
+
+    @torch.compiler.disable  # host-driven per parameter: see "torch.compile" in docs/optimizers.md
+    def _reference_group(self, group: dict[str, Any]) -> None:
+        """The reference step of every parameter of ``group`` that has a gradient."""
+        index = self._param_index()
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            i = index[id(p)]
+            new = self._ensure_state(p, i, group)
+            self._reference_step(p, i, group, new)
 
     def _fusable(self, group: dict[str, Any]) -> bool:
         """Whether every parameter of ``group`` can take the fused step. With ``fused=True`` an
@@ -282,21 +291,26 @@ class QOptimizer(NamedParams, Optimizer):
         """The group hyperparameters that decide which states exist (cached plans depend on it)."""
         return ()
 
-    def _fused_step(self, group: dict[str, Any]) -> None:
-        """One fused kernel call for the parameters of ``group`` that have gradients."""
+    def _plan_source(self, group: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], list[FusedParam]]] | None:
+        """The key and describe callables of ``group``'s fused plan (see ``FusedStepper.plan``) over
+        the parameters that have gradients; None when none has."""
         params = group["params"]
-        grads = [p.grad for p in params]
         have = None
-        if any(g is None for g in grads):
-            have = tuple(g is not None for g in grads)
+        if any(p.grad is None for p in params):
+            have = tuple(p.grad is not None for p in params)
             params = [p for p in params if p.grad is not None]
-            grads = [g for g in grads if g is not None]
             if not params:
-                return
+                return None
         signature = self._spec_signature(group)
         # len(self.state): opt.state.clear() (or del opt.state[p]) orphans the plan's tensors
-        self._kernel.step(id(group), lambda: (self._layout_version, len(self.state), have, signature),
-                          lambda: self._fused_params(group, params), grads, self._hyper(group), self._seed)
+        return ((lambda: (self._layout_version, len(self.state), have, signature)),
+                (lambda: self._fused_params(group, params)))
+
+    def _fused_step(self, group: dict[str, Any]) -> None:
+        """One fused kernel call for the parameters of ``group`` that have gradients."""
+        source = self._plan_source(group)
+        if source is not None:
+            self._kernel.step(id(group), *source, self._hyper(group), self._seed)
 
     def _fused_params(self, group: dict[str, Any], params: list[torch.Tensor]) -> list[FusedParam]:
         """Check ``params``, create their missing states, and describe them for the kernel."""

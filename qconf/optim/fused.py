@@ -9,26 +9,31 @@ values) with the codecs' tables and descriptors from :mod:`qconf.codec.native`.
 
 Per param group the arguments are collected once into a C++ ``StepPlan`` (:class:`GroupPlan`);
 an eager step then passes only the hyperparameters (the plan reads each parameter's ``.grad``), so
-the cost per parameter stays small even with thousands of small tensors. Under ``torch.compile``
-the functional op ``qconf::fused_step`` (fake implementation in :mod:`qconf.ops`) is called
-instead, with every tensor as an argument. The optimizer says when a cached plan is stale by the
-key it passes to :meth:`FusedStepper.step`.
+the cost per parameter stays small even with thousands of small tensors. The optimizer says when a
+cached plan is stale by the key it passes to :meth:`FusedStepper.plan`.
+
+Under ``torch.compile`` the plan is built outside the graph (the optimizer's ``_init_group``, which
+Dynamo runs eagerly while tracing, lists :meth:`GroupPlan.op_tensors`), and the traced step is
+:meth:`FusedStepper.traced_step`: the functional op ``qconf::fused_step`` (fake implementation in
+:mod:`qconf.ops`) with every tensor as an argument. Nothing the traced step calls reads the native
+layout or builds a plan, so it has no graph break.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from .. import ops  # noqa: F401  (registers the fake impls that torch.compile needs)
+from .. import ops
 from .._native import has_cuda_kernels, layout
 from ..codec import Codec, QTensor
 from ..codec.native import TABLE_ROWS, TABLE_SIZE, codec_descriptor, codec_table
 from .spec import Hyper, Slot
 
-__all__ = ["FUSED_DTYPES", "FusedParam", "GroupPlan", "FusedStepper", "unfusable_reason", "hyper_values"]
+__all__ = ["FUSED_DTYPES", "FusedParam", "GroupPlan", "FusedStepper", "CompiledFusedSteps", "unfusable_reason",
+           "hyper_values"]
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY = torch.empty(0)
@@ -108,13 +113,14 @@ class GroupPlan:
         self.one_shot = any(fp.first for fp in fparams)
         self.cpp = torch.classes.qconf.StepPlan(rule, self.params, self.steps, self.states, self.meta, self.tables)
 
-    def run(self, grads: list[torch.Tensor], hyper: list[float], seed: int) -> None:
-        """One step; ``grads`` are the parameters' gradients (read from ``.grad`` when eager)."""
-        if torch.compiler.is_compiling():
-            torch.ops.qconf.fused_step(self.rule, self.params, grads, self.steps, self.states, self.meta,
-                                       self.tables, hyper, seed)
-        else:
-            self.cpp.run(hyper, seed)
+    def run(self, hyper: list[float], seed: int) -> None:
+        """One eager step (the C++ plan reads each parameter's ``.grad``)."""
+        self.cpp.run(hyper, seed)
+
+    def op_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of ``qconf::fused_step`` in one list, as :meth:`FusedStepper.traced_step`
+        reads it: params, their current gradients, steps, states, then meta and tables."""
+        return [*self.params, *(p.grad for p in self.params), *self.steps, *self.states, self.meta, self.tables]
 
 
 def _describe_param(lay: Mapping[str, int], fp: FusedParam, tables: dict[Codec, int]
@@ -169,21 +175,100 @@ class FusedStepper:
 
     def __init__(self, rule: str):
         self._rule = layout()[f"rule.{rule}"]
+        self._order = _hyper_order()  # read here, eagerly: a traced step must not call into layout()
         self._plans: dict[int, tuple[Hashable, GroupPlan]] = {}
+        #: part of every plan's key; a compiled step that started a lazy state bumps it (a graph
+        #: cannot drop its one-shot plan the way an eager step does)
+        self.generation = 0
+
+    def plan(self, group_id: int, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]]
+             ) -> GroupPlan:
+        """The plan of group ``group_id``. ``key()`` identifies the group's layout: while it is
+        unchanged the cached plan is returned, otherwise ``describe()`` (which may create states)
+        lists the parameters and ``key()`` is read again afterwards. A one-shot plan (a state
+        starts at this step) is cached too, so that a compiled graph's tensors stay alive; an
+        eager step drops it, a compiled one bumps :attr:`generation`."""
+        cached = self._plans.get(group_id)
+        if cached is not None and cached[0] == (self.generation, key()):
+            return cached[1]
+        plan = GroupPlan(self._rule, describe())
+        self._plans[group_id] = ((self.generation, key()), plan)
+        return plan
 
     def step(self, group_id: int, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]],
-             grads: list[torch.Tensor], hyper: Hyper, seed: int) -> None:
-        """One step of the group ``group_id`` whose parameters (those with gradients ``grads``)
-        ``describe()`` lists. ``key()`` identifies the group's layout: while it is unchanged the
-        cached plan is reused, otherwise ``describe()`` (which may create states) is called and
-        ``key()`` read again afterwards."""
-        cached = self._plans.get(group_id)
-        if cached is not None and cached[0] == key():
-            plan = cached[1]
-        else:
-            plan = GroupPlan(self._rule, describe())
-            if plan.one_shot:
-                self._plans.pop(group_id, None)
-            else:
-                self._plans[group_id] = (key(), plan)
-        plan.run(grads, hyper_values(hyper), _signed64(seed))
+             hyper: Hyper, seed: int) -> None:
+        """One eager step of the group ``group_id`` (see :meth:`plan`)."""
+        plan = self.plan(group_id, key, describe)
+        if plan.one_shot:
+            self._plans.pop(group_id, None)
+        plan.run(self.hyper_values(hyper), _signed64(seed))
+
+    def hyper_values(self, hyper: Hyper) -> list[float]:
+        """``hyper`` as the kernel's positional ``float[] hyper`` argument."""
+        return [float(getattr(hyper, name)) for name in self._order]
+
+    def traced_step(self, tensors: list[torch.Tensor], count: int, num_states: int, hyper: Hyper, seed: int) -> None:
+        """The step as ``torch.compile`` traces it: ``tensors`` is :meth:`GroupPlan.op_tensors` of
+        a plan of ``count`` parameters and ``num_states`` state tensors."""
+        params, grads, steps = tensors[:count], tensors[count:2 * count], tensors[2 * count:3 * count]
+        states = tensors[3 * count:3 * count + num_states]
+        ops.fused_step(self._rule, params, grads, steps, states, tensors[-2], tensors[-1], self.hyper_values(hyper),
+                       _signed64(seed))
+
+
+class CompiledFusedSteps:
+    """The fused step under ``torch.compile``, a mixin of :class:`~qconf.optim.base.QOptimizer`
+    (it uses the optimizer's ``_kernel``, ``_fusable``, ``_plan_source``, ``_hyper``, ``_seed``,
+    ``_layout_version`` and ``state``).
+
+    Dynamo runs a method named ``_init_group`` eagerly while it traces an optimizer's ``step``
+    (torch.optim's own optimizers build their state lists there) and then guards on the state and
+    param groups that it leaves. Here it does the host work a graph cannot hold -- the fusability
+    check, state creation and the group's plan -- and the traced part is only the functional op.
+    """
+
+    def _init_group(self, group: dict[str, Any], tensors: list[torch.Tensor]
+                    ) -> tuple[bool, bool, int, int, tuple[int, int]]:
+        """Prepare ``group``'s fused step: append its plan's op tensors to ``tensors``. Returns
+        (fusable, one-shot plan, parameter count, state tensor count, layout) where layout is
+        (the optimizer's layout version, the kernel's plan generation)."""
+        if not self._fusable(group):
+            return False, False, 0, 0, (self._layout_version, self._kernel.generation)
+        for p in group["params"]:  # Dynamo moves each "step" to its parameter's device; the kernels read it on the CPU
+            state = self.state.get(p)
+            if state and "step" in state and state["step"].device.type != "cpu":
+                state["step"] = state["step"].cpu()
+                self._layout_version += 1
+        source = self._plan_source(group)
+        if source is None:  # no parameter of the group has a gradient
+            return True, False, 0, 0, (self._layout_version, self._kernel.generation)
+        plan = self._kernel.plan(id(group), *source)
+        tensors.extend(plan.op_tensors())
+        return True, plan.one_shot, len(plan.params), len(plan.states), (self._layout_version, self._kernel.generation)
+
+    def _compiled_fused_steps(self) -> list[dict[str, Any]]:
+        """The fused steps as torch.compile traces them (no graph break); returns the groups left
+        for the reference path."""
+        prepared = []
+        for group in self.param_groups:
+            tensors: list[torch.Tensor] = []
+            prepared.append((group, tensors, self._init_group(group, tensors)))
+        if not prepared:
+            return []
+        # Read once every _init_group has run (Dynamo does not see their writes). The graph is
+        # guarded on this comparison: a state created, converted or replaced later (a new layout
+        # version), or a spent one-shot plan (a new generation), retraces and replans.
+        layout = (self._layout_version, self._kernel.generation)
+        if layout != prepared[-1][2][4]:
+            raise RuntimeError(f"{type(self).__name__}: the optimizer's states changed while a step was traced")
+        rest, one_shot = [], False
+        for group, tensors, (fusable, first, count, num_states, _) in prepared:
+            if not fusable:
+                rest.append(group)
+            elif count:
+                self._kernel.traced_step(tensors, count, num_states, self._hyper(group), self._seed)
+                one_shot = one_shot or first
+        if one_shot:  # a plan started a lazy state at this step only: the next step needs new plans
+            # (kept on the kernel: Dynamo drops attribute writes to a torch.optim.Optimizer)
+            self._kernel.generation = layout[1] + 1
+        return rest
