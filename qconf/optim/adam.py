@@ -25,10 +25,11 @@ not finite (a NaN/Inf gradient, or |g| above ~1.8e19, whose square overflows) ad
 statistics: they are shared by a whole row and column, and one Inf would make every ``v`` of the
 tensor 0 or NaN (Inf / mean = 0). The element's own ``m`` and parameter still see its gradient.
 
-Non-finite values (docs/optimizers.md): the fp32 update of an element with a NaN/Inf gradient, or
-whose ``g*g`` overflows, is torch's (NaN parameter, or an update of 0 when ``v`` is Inf); when the
-states are quantized, that element is encoded at the map's end (Inf) or as 0 (NaN) and the scales
-ignore it (:mod:`qconf.codec.scales`), so every other element of its block is unaffected.
+Non-finite values (docs/optimizers.md): an element with a NaN/Inf gradient, or whose ``g*g``
+overflows (|g| > ~1.8e19; torch's addcmul overflows only above ~5.8e20), is updated in fp32 as with
+unquantized states (a NaN parameter, or an update of 0 where ``v`` is Inf); when the states are
+quantized, that element is encoded at the map's end (Inf) or as 0 (NaN) and the scales ignore it
+(:mod:`qconf.codec.scales`), so every other element of its block is unaffected.
 """
 from __future__ import annotations
 
