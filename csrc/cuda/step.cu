@@ -11,11 +11,11 @@
 // Device: one thread block per chunk, one octet (8 consecutive elements, i.e. `bits` whole bytes
 // of packed codes) per thread and iteration. Passes, each one launch over all tensors:
 //
-//   factor   (factored second moments) row sums of g_eff^2 (16 strided lanes + tree, the CPU's
+//   factor   (factored second moments) row sums of finite g_eff^2 (16 strided lanes + tree, the CPU's
 //            association), column sums per fixed row chunk, then the statistics update and the
 //            row factors of qconf/factored.h -- results bit-identical to the CPU driver
 //   reduce   (two-pass states: tensor/dim1/rank1 scales, huge blocks) new state values -> abs
-//            bits -> atomicMax into shared-memory slots per scale index, flushed with atomicMax
+//            bits of the finite ones -> atomicMax into shared-memory slots per scale index, flushed with atomicMax
 //            into a per-state device array; a small kernel turns them into scales/reciprocals
 //            (finalize_scale, element.h)
 //   apply    dequantize -> rule -> new group absmax (shared-memory atomicMax over abs bits, one
@@ -24,7 +24,7 @@
 //            copy kernel (the old scales are read until every chunk is dequantized)
 //
 // Every element operation is a call into qconf/element.h (the rules, quantize_*, normalize,
-// conversions, RNG, abs_bits / scale_from_absmax_bits, fmin_nan / fmax_nan), and the per-element
+// conversions, RNG, finite_abs_bits / scale_from_absmax_bits, fmin_nan / fmax_nan), and the per-element
 // scales come from the CPU's scale-layout walker (qconf/scale_walk.h): the same code the CPU
 // scalar path runs. Compiled with --fmad=false: no contraction, every op rounded as written.
 #include <ATen/ATen.h>
@@ -355,7 +355,7 @@ __device__ __forceinline__ void fold_single(const GpuTensor& T, const BlockShare
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     idx[j] = w.q - q0;
-    b[j] = abs_bits(x[j]);
+    b[j] = finite_abs_bits(x[j]);
     w.next(t);
   }
   fold_runs(slots + T.gs[k].apply_slot, idx, b, cnt);
@@ -367,7 +367,7 @@ __device__ __forceinline__ void fold_reduce(const GpuTensor& T, const BlockShare
   const GpuState& g = T.gs[k];
   uint32_t b[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) b[j] = abs_bits(x[j]);
+  for (int j = 0; j < 8; ++j) b[j] = finite_abs_bits(x[j]);
   for (int d = 0; d < g.nterms; ++d) {
     const Term& t = g.term[d];
     const TermChunk& c = sh.tc[k][d];
@@ -597,7 +597,7 @@ __global__ void __launch_bounds__(kThreads) factor_rows_kernel(const GpuTensor* 
     for (int64_t j = lane; j < t.cols; j += 16) {
       const int64_t e = r * t.cols + j;
       const float ge = Rule::effective_grad(load_elem(t.param, t.pdtype, e), load_elem(t.grad, t.gdtype, e), h);
-      acc = acc + ge * ge;
+      acc = acc + finite_square(ge);
     }
   }
   for (int w = 8; w > 0; w >>= 1) acc = acc + __shfl_down_sync(0xffffffffu, acc, w, 16);
@@ -629,7 +629,7 @@ __global__ void __launch_bounds__(kThreads) factor_cols_kernel(const GpuTensor* 
     }
     const int64_t e = r * t.cols + c;
     const float ge = Rule::effective_grad(load_elem(t.param, t.pdtype, e), load_elem(t.grad, t.gdtype, e), h);
-    s = s + ge * ge;
+    s = s + finite_square(ge);
   }
   if (r1 > r0) colp[batch * t.cols + c] = s;
 }

@@ -2,14 +2,16 @@
 
 Encode, for a tensor ``x`` (fp32/bf16/fp16/fp64, any shape, contiguous or not; computed in fp32):
 
-1. scales ``s`` by the scale type (see :mod:`qconf.codec.scales`);
+1. scales ``s`` by the scale type, over the finite elements only (see :mod:`qconf.codec.scales`);
 2. normalize ``n = x * r`` with the fp32 reciprocal ``r = 1 / s`` of each stored scale (for
    ``rank1`` the element's ``r`` is the max of its per-dim reciprocals); a zero scale gives ``n = 0``;
+   NaN elements normalize to 0, so they take the code nearest 0;
 3. round to a code:
 
    * ``nearest``: the code whose map value is closest, ties to the lower code. Computed as
      ``code = #{k : mid[k] < n}`` with fp32 midpoints ``mid[k] = (qmap[k] + qmap[k+1]) * 0.5`` --
-     exactly lpmm's ``real-nearest``. Values beyond the map clamp to its ends; NaN gives code 0.
+     exactly lpmm's ``real-nearest``. Values beyond the map clamp to its ends (+-Inf elements
+     saturate to the last / first code).
    * ``stochastic``: clamp ``n`` into the map's range, take the bracketing codes
      ``lo = #{k : qmap[k] <= n} - 1`` (clamped to ``[0, L-2]``) and ``hi = lo + 1`` and round up iff
      ``u < (n - qmap[lo]) / (qmap[hi] - qmap[lo])`` for a uniform ``u`` in [0, 1); unbiased inside
@@ -114,16 +116,19 @@ class Codec:
 
     # -- encode / decode ---------------------------------------------------------------------
     def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``(n, scales)``: fp32 normalized values in x's shape and the stored scales."""
+        """Return ``(n, scales)``: fp32 normalized values in x's shape and the stored scales. NaN
+        elements (and Inf ones in a zero block) normalize to 0, so they take the code nearest 0."""
         x32 = _as_fp32(x)
         scales = compute_scales(x32, self.scale, self.group_size)
         r = expand_reciprocals(scales, tuple(x32.shape), self.scale, self.group_size)
-        n = torch.where(torch.isinf(r), torch.zeros_like(x32), x32 * r)  # r = inf <=> scale 0
+        n = x32 * r
+        n = torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)  # r = inf <=> scale 0
         return n, scales
 
     def quantize(self, n: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
-        """Round normalized fp32 values to int64 codes (same shape). ``noise`` is required for
-        stochastic rounding: uniform [0, 1) values, one per element."""
+        """Round normalized fp32 values to int64 codes (same shape); NaN gives code 0 (``normalize``
+        never returns NaN). ``noise`` is required for stochastic rounding: uniform [0, 1) values,
+        one per element."""
         qmap, mids = self._tables(n.device)
         if self.rounding == "nearest":
             codes = torch.searchsorted(mids, n.contiguous(), right=False)  # #{mid < n}: ties go low

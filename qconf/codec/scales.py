@@ -22,10 +22,14 @@ divisions out of the per-element work of the fused kernels and makes their arith
 this reference. A nonzero absmax below ``FLT_MIN`` (a subnormal block) is stored as ``FLT_MIN`` so
 that ``r`` is always finite; such blocks are quantized on the ``FLT_MIN`` grid.
 
-Non-finite input: an absmax over a set containing NaN or +-Inf is NaN (never Inf), so every element
-that shares that scale decodes to NaN; blocks that do not contain the value are untouched. For
-``rank1`` the per-element minimum ignores NaN maxima (``fmin``), so a single non-finite element
-poisons only itself. A scale of 0 means the block is all zero; it decodes to exact zeros.
+Non-finite input: every absmax above is taken over the *finite* elements only (NaN and +-Inf
+count as 0; a set with no finite element has absmax 0), so a stored scale is always finite and one
+NaN/Inf element leaves the scale -- and so the codes and decoded values -- of every other element
+of its block (row, column, tensor) exactly as if it were 0. The non-finite element itself is
+encoded at the map's end for +-Inf and as 0 for NaN (:meth:`qconf.codec.Codec.normalize`); it
+decodes to a finite value. A scale of 0 means the block's finite elements are all zero; it decodes
+to exact zeros. (``rank1`` still combines with NaN-ignoring ``fmin``/``fmax``, which only matters
+for scales loaded from elsewhere.)
 """
 from __future__ import annotations
 
@@ -66,10 +70,10 @@ def num_scales(scale: str, shape: tuple[int, ...], group_size: int) -> int:
 
 
 def _absmax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """max|a| that propagates NaN and turns Inf into NaN (a non-finite block has scale NaN);
-    a nonzero maximum below FLT_MIN is raised to FLT_MIN."""
-    m = a.abs().amax() if dim is None else a.abs().amax(dim=dim)
-    m = torch.where(torch.isinf(m), torch.full_like(m, math.nan), m)
+    """max|a| over the finite elements (NaN and +-Inf count as 0, so the result is finite); a
+    nonzero maximum below FLT_MIN is raised to FLT_MIN."""
+    a = torch.where(torch.isfinite(a), a.abs(), torch.zeros_like(a))
+    m = a.amax() if dim is None else a.amax(dim=dim)
     return torch.where((m > 0) & (m < FLT_MIN), torch.full_like(m, FLT_MIN), m)
 
 

@@ -20,7 +20,16 @@ Factored second moment (Adafactor form as in lpmm, no eps1/clipping): row statis
 ``r = r * b2 + mean_{-1}(g*g) * (1 - b2)`` (shape ``p.shape[:-1]``), column statistics
 ``c = c * b2 + mean_{-2}(g*g) * (1 - b2)`` (shape ``p.shape[:-2] + p.shape[-1:]``), and
 ``v = (r / mean_{-1}(r))[..., None] * c[..., None, :]``; an all-zero row block gives v = 0 rather
-than lpmm's 0/0 = NaN. 1-D parameters keep a (quantized) dense ``exp_avg_sq``.
+than lpmm's 0/0 = NaN. 1-D parameters keep a (quantized) dense ``exp_avg_sq``. A ``g*g`` that is
+not finite (a NaN/Inf gradient, or |g| above ~1.8e19, whose square overflows) adds 0 to the
+statistics: they are shared by a whole row and column, and one Inf would make every ``v`` of the
+tensor 0 or NaN (Inf / mean = 0). The element's own ``m`` and parameter still see its gradient.
+
+Non-finite values (docs/optimizers.md): an element with a NaN/Inf gradient, or whose ``g*g``
+overflows (|g| > ~1.8e19; torch's addcmul overflows only above ~5.8e20), is updated in fp32 as with
+unquantized states (a NaN parameter, or an update of 0 where ``v`` is Inf); when the states are
+quantized, that element is encoded at the map's end (Inf) or as 0 (NaN) and the scales ignore it
+(:mod:`qconf.codec.scales`), so every other element of its block is unaffected.
 """
 from __future__ import annotations
 
@@ -98,6 +107,7 @@ class _AdamBase(QOptimizer):
             exp_avg_sq.mul_(beta2).add_(g2 * (1 - beta2))
         else:
             row, col = states["exp_avg_sq_row"], states["exp_avg_sq_col"]
+            g2 = torch.where(torch.isfinite(g2), g2, torch.zeros_like(g2))  # see the module docstring
             row.mul_(beta2).add_(g2.mean(dim=-1) * (1 - beta2))
             col.mul_(beta2).add_(g2.mean(dim=-2) * (1 - beta2))
             exp_avg_sq = factored_dense(row, col)

@@ -96,11 +96,20 @@ def allow_cuda_fusion(monkeypatch):
     monkeypatch.setattr(qconf.optim.base, "unfusable_reason", reason)
 
 
-def run(opt_name, config, dtype, device, fused, steps=STEPS, shapes=SHAPES):
+# gradient elements set at step 1 by run(..., poison=True): NaN, +-Inf, and a finite value whose
+# square overflows fp32 (flat indices, where the tensor has them)
+POISON = {3: float("nan"), 50: float("inf"), 51: -float("inf"), 99: 3e19}
+
+
+def run(opt_name, config, dtype, device, fused, steps=STEPS, shapes=SHAPES, poison=False):
     params = _params(dtype, device, shapes)
     opt = OPTIMIZERS[opt_name](params, _config(config), fused)
     for step in range(steps):
         for p, gr in zip(params, _grads(step, dtype, shapes)):
+            if poison and step == 1:
+                for i, v in POISON.items():
+                    if i < gr.numel():
+                        gr.view(-1)[i] = v
             p.grad = gr.to(device)
         opt.step()
     return params, opt
@@ -194,6 +203,23 @@ def test_cuda_matches_cpu_fused_on_large_and_odd_layouts(config, opt_name, dtype
     cuda_params, cuda_opt = run(opt_name, config, dtype, "cuda", True, steps=5, shapes=shapes)
     cpu_params, cpu_opt = run(opt_name, config, dtype, "cpu", True, steps=5, shapes=shapes)
     assert_identical(cuda_params, cuda_opt, cpu_params, cpu_opt)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "adamw_factored"])
+@pytest.mark.parametrize("config", ["default.yml", "2nd_moment_group_128.yml", "8bit.yml", "tensor_dim0"])
+def test_cuda_non_finite_gradients_match_cpu_fused(config, opt_name, allow_cuda_fusion):
+    """NaN / Inf / overflowing gradient elements: the scales of the finite elements, saturated
+    codes and finite factored statistics, bit-identical to the CPU (NaN parameters included)."""
+    cuda_params, cuda_opt = run(opt_name, config, torch.float32, "cuda", True, steps=4, poison=True)
+    cpu_params, cpu_opt = run(opt_name, config, torch.float32, "cpu", True, steps=4, poison=True)
+    for i, (a, b) in enumerate(zip(cuda_params, cpu_params)):
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=0, atol=0, equal_nan=True, msg=f"parameter {i}")
+    sa, sb = _states(cuda_opt), _states(cpu_opt)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, equal_nan=True, msg=str(k))
+        if k[-1] == "scales":
+            assert torch.isfinite(sa[k]).all(), k
 
 
 WEIGHTS = {"sr": {"rounding": "stochastic"}, "kahan": {"compensation": "kahan"},

@@ -209,17 +209,31 @@ QCONF_HD uint16_t kahan_write(float p_new, uint16_t p_old_bits, float& comp, boo
 // scales
 constexpr float kFltMin = 1.1754943508222875e-38f;  // 2^-126
 
-// |x| as an int for max reductions: for non-negative floats the integer order is the float order,
-// and NaN (> 0x7f800000) > Inf (0x7f800000) > every finite value, so a max over these bits
-// propagates NaN, then Inf -- the reference's NaN-propagating absmax.
+// |x| as an int for max reductions: for non-negative floats the integer order is the float order.
 QCONF_HD uint32_t abs_bits(float x) { return f32_bits(x) & 0x7fffffffu; }
 
-// Stored scale from the max of abs_bits over a block: Inf becomes NaN (a non-finite block is
-// poisoned, never Inf), a nonzero value below FLT_MIN becomes FLT_MIN.
+// abs_bits of a finite x, 0 for NaN and +-Inf: a scale is the absmax over the block's finite
+// elements only (qconf/codec/scales.py), so one non-finite element never changes the scale, and
+// with it the codes, of the other elements of its block.
+QCONF_HD uint32_t finite_abs_bits(float x) {
+  const uint32_t b = abs_bits(x);
+  return b < 0x7f800000u ? b : 0u;
+}
+
+// Stored scale from the max of finite_abs_bits over a block (so always finite): a nonzero value
+// below FLT_MIN becomes FLT_MIN, so its reciprocal is finite.
 QCONF_HD float scale_from_absmax_bits(uint32_t m) {
-  if (m >= 0x7f800000u) return bits_f32(0x7fc00000u);
   const float s = bits_f32(m);
   return (m != 0 && s < kFltMin) ? kFltMin : s;
+}
+
+// g * g for a factored second moment's row / column statistics, 0 where it is not finite (the
+// square of a NaN / Inf gradient, or of one above ~1.8e19, which overflows): one such element
+// leaves the statistics -- shared by its whole row and column -- as if its gradient were 0,
+// instead of turning them Inf / NaN (qconf/optim/adam.py).
+QCONF_HD float finite_square(float g) {
+  const float s = g * g;
+  return s <= 3.40282347e+38f ? s : 0.0f;  // FLT_MAX; false for NaN
 }
 
 // Two-pass states: stored scale j and its reciprocal from the absmax bits reduced into `parts`
@@ -265,8 +279,13 @@ QCONF_HD int quantize_stochastic(float n, float u, const float* qmap, const floa
   return lo + (u < p_up ? 1 : 0);
 }
 
-// Normalize with a reciprocal scale: r = inf marks a zero scale (the whole block is zero).
-QCONF_HD float normalize(float x, float r) { return f32_bits(r) == 0x7f800000u ? 0.0f : x * r; }
+// Normalize with a reciprocal scale: r = inf marks a zero scale (the block's finite elements are
+// all zero); a NaN element normalizes to 0, so it takes the code nearest 0 (+-Inf elements give
+// +-Inf: the end codes).
+QCONF_HD float normalize(float x, float r) {
+  const float n = f32_bits(r) == 0x7f800000u ? 0.0f : x * r;
+  return n != n ? 0.0f : n;
+}
 
 // fmin/fmax that ignore NaN (like torch.fmin/fmax): used to combine rank-1 per-dim scales.
 QCONF_HD float fmin_nan(float a, float b) { return a != a ? b : (b != b ? a : (b < a ? b : a)); }

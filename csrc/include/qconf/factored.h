@@ -1,6 +1,7 @@
 // The factored second moment (Adafactor-style row / column statistics, lpmm's "4-bit Factor"):
-// the statistics update after the factor pass has summed g_eff^2 per row and per column (per
-// fixed row chunk), and the row factors the apply pass reads, v_ij = row_factor_i * col_j.
+// the statistics update after the factor pass has summed the finite g_eff^2 (finite_square,
+// element.h) per row and per column (per fixed row chunk), and the row factors the apply pass
+// reads, v_ij = row_factor_i * col_j.
 // One copy for the CPU driver (csrc/cpu/step.cpp) and the CUDA kernels (csrc/cuda/step.cu): fp32
 // operations in the reference's order, so both give the same bits.
 //

@@ -239,10 +239,11 @@ struct FastQuantizer {
   }
 
   // normalized values of vector j: one reciprocal per vector (0 for a zero block: 0 * 0
-  // normalizes to 0 like the reference), or per element (inf marks a zero scale)
+  // normalizes to 0 like the reference), or per element (inf marks a zero scale); NaN products
+  // (NaN elements, or an Inf in a zero block) normalize to 0, as in normalize (element.h)
   struct PerVector {
     const float *x, *r;
-    F operator()(int64_t j) const { return Isa::load(x + j) * F(r[j / W]); }
+    F operator()(int64_t j) const { return Isa::zero_nan(Isa::load(x + j) * F(r[j / W])); }
   };
   struct PerElement {
     const float *x, *r;

@@ -64,6 +64,9 @@ struct Isa {
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
   static M isnan(F a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
   static M eq_i(I a, I b) { return _mm512_cmpeq_epi32_mask(a.v, b.v); }
+  static M lt_i(I a, I b) { return _mm512_cmplt_epi32_mask(a.v, b.v); }  // signed
+  // n with its NaN lanes set to 0
+  static F zero_nan(F n) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(n.v, n.v, _CMP_ORD_Q), n.v); }
   static F select(M m, F a, F b) { return _mm512_mask_mov_ps(b.v, m, a.v); }
   static I select_i(M m, I a, I b) { return _mm512_mask_mov_epi32(b.v, m, a.v); }
   static I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a.v, m, a.v, b.v); }
@@ -309,6 +312,8 @@ struct Isa {
   static M gt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
   static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)); }
   static M eq_i(I a, I b) { return _mm256_cmpeq_epi32(a.v, b.v); }
+  static M lt_i(I a, I b) { return _mm256_cmpgt_epi32(b.v, a.v); }  // signed
+  static F zero_nan(F n) { return _mm256_and_ps(_mm256_cmp_ps(n.v, n.v, _CMP_ORD_Q), n.v); }
   static F select(M m, F a, F b) { return _mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(m)); }
   static I select_i(M m, I a, I b) { return _mm256_blendv_epi8(b.v, a.v, m); }
   static I add_if(M m, I a, I b) { return _mm256_add_epi32(a.v, _mm256_and_si256(m, b.v)); }
@@ -398,6 +403,8 @@ struct Isa {
   static M gt(F a, F b) { return a > b; }
   static M isnan(F a) { return a != a; }
   static M eq_i(I a, I b) { return a == b; }
+  static M lt_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
+  static F zero_nan(F n) { return n != n ? 0.0f : n; }
   static F select(M m, F a, F b) { return m ? a : b; }
   static I select_i(M m, I a, I b) { return m ? a : b; }
   static I add_if(M m, I a, I b) { return m ? a + b : a; }

@@ -59,7 +59,8 @@ inline void fill_vhat(const TensorDesc& t, int64_t start, int64_t n, float* vhat
 }
 
 // pass 1 of a factored tensor: sums of g_eff^2 per row (16 fixed lanes, the same association on
-// every ISA) and per column within this row chunk (rows added in order)
+// every ISA) and per column within this row chunk (rows added in order); a square that is not
+// finite adds 0 (finite_square)
 template <class Rule>
 inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
   const int64_t C = t.cols, R = t.shape[t.ndim - 2];
@@ -69,10 +70,7 @@ inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
   for (int64_t r = r0; r < r1; ++r) {
     load_as_f32(t.grad, t.gdtype, r * C, C, b.g);
     load_as_f32(t.param, t.pdtype, r * C, C, b.p);
-    for (int64_t j = 0; j < C; ++j) {
-      const float ge = Rule::effective_grad(b.p[j], b.g[j], t.h);
-      b.vhat[j] = ge * ge;
-    }
+    for (int64_t j = 0; j < C; ++j) b.vhat[j] = finite_square(Rule::effective_grad(b.p[j], b.g[j], t.h));
     float acc[16] = {0};
     int64_t j = 0;
     for (; j + 16 <= C; j += 16)
@@ -254,7 +252,6 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
   const uint8_t* codes = st.codes + start * st.codec.bits / 8;
   const float* scales = st.scales;
   const Scalars h = t.h;
-  const I mask(0x7fffffffu);
   StateIn in;
   in.codes = codes;
   in.qmap = st.codec.qmap;
@@ -275,7 +272,7 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
       F S[2] = {F(0.0f), F(0.0f)};
       S[K] = code_value<IO>(in, off + j) * scale;
       Rule::apply(P, Isa::load(g + off + j), S[0], S[1], h, true);
-      const I a = Isa::bits(S[K]) & mask;
+      const I a = finite_abs_v(S[K]);
       row_max = Isa::max_u(row_max, a);
       Isa::store_i(col_max + j, Isa::max_u(Isa::load_i(col_max + j), a));
     }

@@ -246,9 +246,16 @@ struct SearchTables {
   Isa::T16 near16, sr16, qmap16;
 };
 
+// normalize (element.h) of a vector: 0 where r = inf (a zero scale) or the product is NaN
 inline F normalize_v(F x, F r) {
   const I inf_bits(0x7f800000u);
-  return Isa::select(Isa::eq_i(Isa::bits(r), inf_bits), F(0.0f), x * r);
+  return Isa::select(Isa::eq_i(Isa::bits(r), inf_bits), F(0.0f), Isa::zero_nan(x * r));
+}
+
+// finite_abs_bits (element.h) of a vector: the |x| bits, 0 for NaN and +-Inf
+inline I finite_abs_v(F x) {
+  const I b = Isa::bits(x) & I(0x7fffffffu);
+  return Isa::select_i(Isa::lt_i(b, I(0x7f800000u)), b, I(0u));
 }
 
 inline I search_nearest(const CodecDesc& c, const SearchTables& tb, F n) {
@@ -331,14 +338,19 @@ inline void quantize_run(const StateDesc& st, const SearchTables& tb, const floa
   }
 }
 
+// The max of finite_abs_bits over x[0..n): the absmax bits of the finite elements, 0 if none.
+// The vector loop keeps k = |x| bits + 2^23 as signed ints: finite values map in order onto
+// [2^23, 2^31), NaN and +-Inf wrap around to negative ints, below the accumulator's 0 ("no finite
+// element yet"), so leaving them out costs one integer add per vector.
 inline uint32_t absmax_bits(const float* x, int64_t n) {
   I acc(0u);
-  const I mask(0x7fffffffu);
+  const I mask(0x7fffffffu), lift(0x00800000u);
   int64_t j = 0;
-  for (; j + W <= n; j += W) acc = Isa::max_u(acc, Isa::bits(Isa::load(x + j)) & mask);
-  uint32_t m = Isa::hmax_u(acc);
+  for (; j + W <= n; j += W) acc = Isa::max_i(acc, (Isa::bits(Isa::load(x + j)) & mask) + lift);
+  const uint32_t top = Isa::hmax_u(acc);  // every lane is >= 0: the unsigned max is the signed one
+  uint32_t m = top == 0u ? 0u : top - 0x00800000u;
   for (; j < n; ++j) {
-    const uint32_t b = abs_bits(x[j]);
+    const uint32_t b = finite_abs_bits(x[j]);
     m = b > m ? b : m;
   }
   return m;
@@ -377,17 +389,17 @@ inline void quantize(const StateDesc& st, const TensorDesc& t, int64_t start, in
   pack_codes(codes, c.bits, start, n, st.codes);
 }
 
-// Pass 1: fold the tile's new values into this thread's absmax partials (bits, NaN-propagating).
+// Pass 1: fold the tile's new values into this thread's absmax partials (the bits of the finite
+// elements' absmax: finite_abs_bits).
 inline void reduce_absmax(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x,
                           uint32_t* partial) {
   const CodecDesc& c = st.codec;
-  const I mask(0x7fffffffu);
   auto fold_vec = [&](uint32_t* dst, const float* v, int64_t len) {
     int64_t j = 0;
     for (; j + W <= len; j += W)
-      Isa::store_i(dst + j, Isa::max_u(Isa::load_i(dst + j), Isa::bits(Isa::load(v + j)) & mask));
+      Isa::store_i(dst + j, Isa::max_u(Isa::load_i(dst + j), finite_abs_v(Isa::load(v + j))));
     for (; j < len; ++j) {
-      const uint32_t b = abs_bits(v[j]);
+      const uint32_t b = finite_abs_bits(v[j]);
       dst[j] = b > dst[j] ? b : dst[j];
     }
   };
