@@ -228,8 +228,9 @@ struct FastQuantizer {
       const F q_lo = BITS == 4 ? Isa::lookup16(qmap16, lo) : Isa::lookup256(qmap256, lo);
       const F q_hi = BITS == 4 ? Isa::lookup16(qmap16, lo + I(1u)) : Isa::lookup256(qmap256, lo + I(1u));
       const F p_up = qdiv(nc - q_lo, q_hi - q_lo);
-      const I code = Isa::add_if(Isa::lt(uniforms(st.key, first), p_up), lo, I(1u));
-      return Isa::select_i(Isa::isnan(n), I(0u), code);
+      // (a NaN n would give code 0 here too: no compare holds, and u < NaN is false; the
+      // normalizers below never pass one)
+      return Isa::add_if(Isa::lt(uniforms(st.key, first), p_up), lo, I(1u));
     }
   }
 
@@ -238,16 +239,27 @@ struct FastQuantizer {
     else Isa::pack8(codes + e, code);
   }
 
+  // Whether a NaN n already gets the code of 0, so the normalizers need not map NaN to 0: the
+  // grid (NaN converts to INT32_MIN and clamps to code 0; its maps have mids[0] > 0, so 0 gets
+  // code 0 too) and the unsigned octave lines (max_or(NaN, 2^-31) = max_or(0, 2^-31), and the
+  // probe mid[r] < n is false for both, as every midpoint is positive).
+  static constexpr bool kNanCodesLikeZero = !SR && (NEAR == kNearGrid || NEAR == kNearLinesUnsigned);
+
   // normalized values of vector j: one reciprocal per vector (0 for a zero block: 0 * 0
-  // normalizes to 0 like the reference), or per element (inf marks a zero scale); NaN products
-  // (NaN elements, or an Inf in a zero block) normalize to 0, as in normalize (element.h)
+  // normalizes to 0 like the reference), or per element (inf marks a zero scale). NaN products
+  // (NaN elements, or an Inf in a zero block) must get the code of 0, as normalize (element.h)
+  // maps them to 0: PerElement does it in the loop unless kNanCodesLikeZero; PerVector leaves
+  // them (code 0) to recode_nan, which runs only for tiles that have non-finite values.
   struct PerVector {
     const float *x, *r;
-    F operator()(int64_t j) const { return Isa::zero_nan(Isa::load(x + j) * F(r[j / W])); }
+    F operator()(int64_t j) const { return Isa::load(x + j) * F(r[j / W]); }
   };
   struct PerElement {
     const float *x, *r;
-    F operator()(int64_t j) const { return normalize_v(Isa::load(x + j), Isa::load(r + j)); }
+    F operator()(int64_t j) const {
+      if constexpr (kNanCodesLikeZero) return normalize_v<false>(Isa::load(x + j), Isa::load(r + j));
+      else return normalize_v<true>(Isa::load(x + j), Isa::load(r + j));
+    }
   };
   // codes of elements first..first+len-1 (len a multiple of W) from norm(0), norm(W), ... The
   // codes pointer is a local: stores through uint8_t* may alias anything, so st.codes would be
@@ -278,6 +290,31 @@ struct FastQuantizer {
 
 inline float run_recip(float s) { return s == 0.0f ? 0.0f : 1.0f / s; }
 
+// The rare path of quantize_fast's single-pass loop, for a tile with NaN or Inf values: elements
+// whose product x * r is NaN (a NaN element, or an Inf one in a zero block) were given code 0 by
+// the register loop; give them the code of 0 instead, as the reference's normalize does. (The
+// scalar forms of element.h give the register loops' codes: FastQuantizer's uniforms are
+// uniform01(hash_bits).) The codes are written in place: 4-bit ones as nibbles.
+template <int BITS, bool SR>
+inline void recode_nan(const StateDesc& st, const float* x, const float* rbuf, int64_t start, int64_t n) {
+  const CodecDesc& c = st.codec;
+  for (int64_t j = 0; j < n; ++j) {
+    const float prod = x[j] * rbuf[j / W];
+    if (prod == prod) continue;
+    const int64_t e = start + j;
+    const uint32_t code = static_cast<uint32_t>(
+        SR ? quantize_stochastic(0.0f, uniform01(hash_bits(st.key, static_cast<uint64_t>(e))), c.qmap, c.qsearch,
+                                 c.levels, c.bits)
+           : quantize_nearest(0.0f, c.mids, c.bits));
+    if constexpr (BITS == 4) {
+      uint8_t& byte = st.codes[e / 2];
+      byte = static_cast<uint8_t>((e & 1) ? (byte & 0x0Fu) | (code << 4) : (byte & 0xF0u) | code);
+    } else {
+      st.codes[e] = static_cast<uint8_t>(code);
+    }
+  }
+}
+
 template <int BITS, bool SR, int NEAR = kNearSearch>
 void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf,
                    NextLines& next) {
@@ -287,15 +324,19 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
     // quantize loop over the tile with a reciprocal per vector
     const int64_t B = st.codec.block;
     int64_t blk = start / B;
+    bool nonfinite = false;
     for (int64_t off = 0; off < n; ++blk) {
       const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
-      const float s = scale_from_absmax_bits(absmax_bits(x + off, len));
+      const uint32_t m = raw_absmax_bits(x + off, len);  // >= Inf's bits iff the block has NaN / Inf
+      nonfinite = nonfinite || m >= 0x7f800000u;
+      const float s = scale_from_absmax_bits(m < 0x7f800000u ? m : finite_absmax_bits(x + off, len));
       st.scales[blk] = s;
       const F r(run_recip(s));  // per vector; whole-register stores (Buffers has room to spare)
       for (int64_t v = off / W; v < (off + len) / W; v += W) Isa::store(rbuf + v, r);
       off += len;
     }
     q.run(typename FastQuantizer<BITS, SR, NEAR>::PerVector{x, rbuf}, n, start, next);
+    if (!FastQuantizer<BITS, SR, NEAR>::kNanCodesLikeZero && nonfinite) recode_nan<BITS, SR>(st, x, rbuf, start, n);
   } else {
     fill_per_element(st.codec, t, st.new_recip, false, start, n, rbuf);
     q.run(typename FastQuantizer<BITS, SR, NEAR>::PerElement{x, rbuf}, n, start, next);

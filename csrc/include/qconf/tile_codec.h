@@ -246,10 +246,13 @@ struct SearchTables {
   Isa::T16 near16, sr16, qmap16;
 };
 
-// normalize (element.h) of a vector: 0 where r = inf (a zero scale) or the product is NaN
+// normalize (element.h) of a vector: 0 where r = inf (a zero scale) or (ZeroNan) the product is
+// NaN; ZeroNan = false leaves a NaN for quantizers that give it the code of 0 anyway
+template <bool ZeroNan = true>
 inline F normalize_v(F x, F r) {
   const I inf_bits(0x7f800000u);
-  return Isa::select(Isa::eq_i(Isa::bits(r), inf_bits), F(0.0f), Isa::zero_nan(x * r));
+  const F n = x * r;
+  return Isa::select(Isa::eq_i(Isa::bits(r), inf_bits), F(0.0f), ZeroNan ? Isa::zero_nan(n) : n);
 }
 
 // finite_abs_bits (element.h) of a vector: the |x| bits, 0 for NaN and +-Inf
@@ -338,11 +341,25 @@ inline void quantize_run(const StateDesc& st, const SearchTables& tb, const floa
   }
 }
 
+// The max of abs_bits over x[0..n): at least Inf's bits (0x7f800000) iff x has a NaN or an Inf.
+inline uint32_t raw_absmax_bits(const float* x, int64_t n) {
+  I acc(0u);
+  const I mask(0x7fffffffu);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) acc = Isa::max_u(acc, Isa::bits(Isa::load(x + j)) & mask);
+  uint32_t m = Isa::hmax_u(acc);
+  for (; j < n; ++j) {
+    const uint32_t b = abs_bits(x[j]);
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
 // The max of finite_abs_bits over x[0..n): the absmax bits of the finite elements, 0 if none.
 // The vector loop keeps k = |x| bits + 2^23 as signed ints: finite values map in order onto
 // [2^23, 2^31), NaN and +-Inf wrap around to negative ints, below the accumulator's 0 ("no finite
-// element yet"), so leaving them out costs one integer add per vector.
-inline uint32_t absmax_bits(const float* x, int64_t n) {
+// element yet").
+inline uint32_t finite_absmax_bits(const float* x, int64_t n) {
   I acc(0u);
   const I mask(0x7fffffffu), lift(0x00800000u);
   int64_t j = 0;
@@ -354,6 +371,14 @@ inline uint32_t absmax_bits(const float* x, int64_t n) {
     m = b > m ? b : m;
   }
   return m;
+}
+
+// The absmax bits of the finite elements of x[0..n): the plain max of the |x| bits, and only when
+// that shows a NaN or an Inf (rare) a second loop that leaves them out, so finite blocks cost
+// what they did before non-finite values were excluded.
+inline uint32_t absmax_bits(const float* x, int64_t n) {
+  const uint32_t m = raw_absmax_bits(x, n);
+  return m < 0x7f800000u ? m : finite_absmax_bits(x, n);
 }
 
 inline SearchTables tables_of(const CodecDesc& c) {
