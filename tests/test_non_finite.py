@@ -143,7 +143,7 @@ def _compare(run, normal, bad_idx, damaged_rows=()):
 @pytest.mark.parametrize("fused", FUSED)
 @pytest.mark.parametrize("qconfig", [BOTH_GROUP128, FP32_M], ids=["group128", "fp32_m"])
 def test_huge_finite_gradient_element_damages_only_itself(qconfig, fused):
-    # 3e19^2 overflows: v = inf for that element, as in torch (whose update there is m / inf = 0)
+    # (3e19 * 3e19) * (1 - b2) overflows: v = inf for that element, whose update is m / inf = 0
     k = (10, 17)
     run = _steps(qconfig, fused, {k: 3e19})
     normal = _steps(qconfig, fused, {k: 0.0})
