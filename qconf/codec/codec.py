@@ -115,11 +115,18 @@ class Codec:
         return self._qmap.to(device), self._midpoints.to(device)
 
     # -- encode / decode ---------------------------------------------------------------------
-    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def normalize(self, x: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(n, scales)``: fp32 normalized values in x's shape and the stored scales. NaN
-        elements (and Inf ones in a zero block) normalize to 0, so they take the code nearest 0."""
+        elements (and Inf ones in a zero block) normalize to 0, so they take the code nearest 0.
+        ``scales`` (1-D fp32, ``num_scales(x.shape)`` values) are used instead of x's own absmax
+        when given: a shard of a larger tensor is encoded with the scales of the whole
+        (:mod:`qconf.optim.sharded`)."""
         x32 = _as_fp32(x)
-        scales = compute_scales(x32, self.scale, self.group_size)
+        if scales is None:
+            scales = compute_scales(x32, self.scale, self.group_size)
+        elif scales.dtype != torch.float32 or scales.shape != (self.num_scales(x32.shape),):
+            raise ValueError(f"scales must be 1-D float32 with {self.num_scales(x32.shape)} values for shape "
+                             f"{tuple(x32.shape)}, got {scales.dtype} {tuple(scales.shape)}")
         r = expand_reciprocals(scales, tuple(x32.shape), self.scale, self.group_size)
         n = x32 * r
         n = torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)  # r = inf <=> scale 0
@@ -143,23 +150,25 @@ class Codec:
         return torch.where(torch.isnan(n), torch.zeros_like(codes), codes)
 
     def encode(self, x: torch.Tensor, generator: torch.Generator | None = None, *,
-               noise: torch.Tensor | None = None, backend: str = "reference") -> "QTensor":
+               noise: torch.Tensor | None = None, backend: str = "reference",
+               scales: torch.Tensor | None = None) -> "QTensor":
         """Quantize ``x`` (any shape; fp32/bf16/fp16/fp64; any strides) into a :class:`QTensor`.
 
         For stochastic rounding the uniforms come from ``noise`` (fp32, ``x.numel()`` values in
         [0, 1)) if given, else ``torch.rand`` with ``generator`` (the global RNG when None).
         ``backend="native"`` runs the compiled kernel (CPU tensors, up to 8 dims); it gives the
-        same codes and scales as the reference for the same noise.
+        same codes and scales as the reference for the same noise. ``scales``: encode with these
+        stored scales instead of x's own (reference backend; see :meth:`normalize`).
         """
         x32 = _as_fp32(x)
         if self.rounding == "stochastic" and noise is None:
             noise = torch.rand(x32.shape, generator=generator, device=x32.device, dtype=torch.float32)
         elif noise is not None and noise.numel() != x32.numel():
             raise ValueError(f"noise has {noise.numel()} values, expected one per element ({x32.numel()})")
-        if _check_backend(backend) == "native" and x32.numel() > 0:
+        if _check_backend(backend) == "native" and x32.numel() > 0 and scales is None:
             codes, scales = native.encode(self, x32, noise)
             return QTensor(codes, scales, torch.Size(x32.shape), self)
-        n, scales = self.normalize(x32)
+        n, scales = self.normalize(x32, scales)
         codes = self.quantize(n, noise)
         return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
 

@@ -77,6 +77,8 @@ def hash_bits(key: tuple[int, int], numel: int, device: torch.device | str = "cp
     return mix32(h ^ (((idx >> 32) + k1) & MASK32))
 
 
-def uniform(key: tuple[int, int], numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Uniform fp32 values in [0, 1) with 24-bit resolution, one per element index."""
-    return (hash_bits(key, numel, device) >> 8).to(torch.float32) * (2.0**-24)
+def uniform(key: tuple[int, int], numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
+    """Uniform fp32 values in [0, 1) with 24-bit resolution, one per element index
+    ``offset .. offset+numel-1`` (a shard starting at global element ``offset`` draws the values
+    the whole tensor would)."""
+    return (hash_bits(key, numel, device, offset) >> 8).to(torch.float32) * (2.0**-24)

@@ -13,7 +13,6 @@ parameter described by :meth:`QOptimizer._fused_params` and runs the rule in the
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -28,6 +27,8 @@ from . import checkpoint
 from . import weights as wts
 from .fused import CompiledFusedSteps, FusedParam, FusedStepper, unfusable_reason
 from .params import NamedParams, compute_dtype, real_view
+from .reference import ReferenceSteps
+from .sharded import ShardedSteps, is_sharded, shard_geometry
 from .spec import Hyper, Slot, StateSpec
 from .states import convert_state, zero_state
 
@@ -36,12 +37,7 @@ __all__ = ["QOptimizer"]
 #: attributes that survive copy.deepcopy and pickling (beside torch's defaults, state, param_groups)
 _PICKLED = ("qconfig", "_seed", "_enable_overrides", "_fused", "_bf16_sr", "_compensation")
 
-#: rng stream per quantized state (stochastic rounding of states); params use rng.STREAM_PARAM
-_STATE_STREAMS = {"exp_avg": rng.STREAM_EXP_AVG, "exp_avg_sq": rng.STREAM_EXP_AVG_SQ,
-                  "compensation": rng.STREAM_COMPENSATION}
-
-
-class QOptimizer(NamedParams, CompiledFusedSteps, Optimizer):
+class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, Optimizer):
     """Base class of qconf's low-bit optimizers (a :class:`torch.optim.Optimizer`).
 
     Args:
@@ -188,9 +184,15 @@ class QOptimizer(NamedParams, CompiledFusedSteps, Optimizer):
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
         plan = self.plan(index)
+        geometry = shard_geometry(p)
         created = []
         for spec, codec in _with_codecs(self._specs(group, p, plan), plan):
             if state.get(spec.key) is None:
+                if geometry is not None:  # the local shard's state (qconf.optim.sharded)
+                    if spec.slot in (Slot.ROW, Slot.COL):
+                        raise ValueError(f"{type(self).__name__}: {self._describe(index)} is sharded (a DTensor); "
+                                         "factor_second_moment=True is not supported for sharded parameters")
+                    spec = dataclasses.replace(spec, shape=geometry.state_shape(codec))
                 state[spec.key] = zero_state(spec, codec, p.device)
                 created.append(spec.key)
         if created:
@@ -221,6 +223,9 @@ class QOptimizer(NamedParams, CompiledFusedSteps, Optimizer):
         state = self.state.get(p)
         if not state:
             return
+        if shard_geometry(p) is not None:
+            raise ValueError(f"override_quantize_enable: {self._describe(index)} is sharded and already has states; "
+                             "call it before the first step")
         for spec, codec in self.planned_states(index):
             value = state.get(spec.key)
             if value is not None:
@@ -239,25 +244,17 @@ class QOptimizer(NamedParams, CompiledFusedSteps, Optimizer):
             for group in self._compiled_fused_steps():  # (fused.CompiledFusedSteps)
                 self._reference_group(group)
             return loss
+        sharded = []
         for group in self.param_groups:
-            if self._kernel is not None and self._fusable(group):
+            if any(is_sharded(p) for p in group["params"]):
+                sharded.append(group)  # all together below: one all-reduce per step
+            elif self._kernel is not None and self._fusable(group):
                 self._fused_step(group)
             else:
                 self._reference_group(group)
+        if sharded:
+            self._sharded_step(sharded)
         return loss
-
-    @torch.compiler.disable  # host-driven per parameter: see "torch.compile" in docs/optimizers.md
-    def _reference_group(self, group: dict[str, Any]) -> None:
-        """The reference step of every parameter of ``group`` that has a gradient."""
-        index = self._param_index()
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            i = index[id(p)]
-            new = self._ensure_state(p, i, group)
-            self._reference_step(p, i, group, new)
 
     def _fusable(self, group: dict[str, Any]) -> bool:
         """Whether every parameter of ``group`` can take the fused step. With ``fused=True`` an
@@ -331,61 +328,6 @@ class QOptimizer(NamedParams, CompiledFusedSteps, Optimizer):
                                   stochastic_weights=plan.weights.rounding == "stochastic",
                                   first=any(k in new[i] for k in self.lazy_states)))
         return out
-
-    def _reference_step(self, p: torch.Tensor, index: int, group: dict[str, Any], new: frozenset[str]) -> None:
-        """One step of ``p`` in its compute dtype: fp32, or float64 for float64 parameters (never
-        rounded through a narrower type); complex parameters step on their ``view_as_real``."""
-        state = self.state[p]
-        state["step"] += 1
-        step = int(state["step"].item())
-        if p.numel() == 0:  # nothing to update (and no mean over an empty dim for factored statistics)
-            return
-        plan = self.plan(index)
-        specs = self._rule_specs(group, p)
-        real = real_view(p)
-        dtype = compute_dtype(real)
-        values = {}
-        for spec in specs:
-            v = state[spec.key]  # fp32/fp64 states update in place; quantized ones are decoded
-            values[spec.key] = v.decode().to(dtype) if isinstance(v, QTensor) else v
-        p_c = real if real.dtype == dtype else real.to(dtype)
-        p_old = p.float() if "kahan_comp" in state else None
-        grad = real_view(p.grad)
-        self._update(p_c, grad if grad.dtype == dtype else grad.to(dtype), values, step, group, new)
-        for spec in specs:
-            old = state[spec.key]
-            if isinstance(old, QTensor):
-                noise = self._noise(old.codec, step, index, spec.section, math.prod(spec.shape), p.device)
-                state[spec.key] = old.codec.encode(values[spec.key], noise=noise)
-        if p_c is not real:  # bf16/fp16: round the fp32 result into the parameter
-            p.copy_(self._write_param(p, p_c, p_old, index, step, plan))
-
-    def _write_param(self, p: torch.Tensor, p32: torch.Tensor, p_old: torch.Tensor | None, index: int, step: int,
-                     plan: StatePlan) -> torch.Tensor:
-        """The new low-precision parameter values: nearest, stochastic or Kahan-compensated."""
-        stochastic = plan.weights.rounding == "stochastic"
-        bits = wts.param_bits(self._seed, step, index, p.numel(), p.device) if stochastic else None
-        if p_old is None:
-            return wts.round_param(p32, p.dtype, stochastic, bits)
-        state = self.state[p]
-        comp = state["kahan_comp"]
-        comp32 = comp.decode() if isinstance(comp, QTensor) else comp.float()
-        new_p, new_comp = wts.kahan_update(p_old, p32, comp32, p.dtype, stochastic, bits)
-        if isinstance(comp, QTensor):
-            noise = self._noise(comp.codec, step, index, "compensation", p.numel(), p.device)
-            state["kahan_comp"] = comp.codec.encode(new_comp, noise=noise)
-        else:
-            comp.copy_(wts.round_param(new_comp, comp.dtype, False, None))
-        return new_p
-
-    def _noise(self, codec: Codec, step: int, index: int, section: str, numel: int,
-               device: torch.device) -> torch.Tensor | None:
-        """Counter-based uniforms for stochastic rounding of one state of qconfig ``section``
-        (``numel`` values; None for nearest rounding)."""
-        if codec.rounding != "stochastic":
-            return None
-        key = rng.stream_key(self._seed, step, index, _STATE_STREAMS[section])
-        return rng.uniform(key, numel, device=device)
 
     # -- checkpoints -----------------------------------------------------------------------------
     @torch._disable_dynamo

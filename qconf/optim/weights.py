@@ -82,9 +82,10 @@ def f16_stochastic(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _from_bits16(out, torch.float16)
 
 
-def param_bits(seed: int, step: int, index: int, numel: int, device: torch.device) -> torch.Tensor:
-    """The 32 random bits per element of a parameter's stream at ``step``."""
-    return rng.hash_bits(rng.stream_key(seed, step, index, rng.STREAM_PARAM), numel, device)
+def param_bits(seed: int, step: int, index: int, numel: int, device: torch.device, offset: int = 0) -> torch.Tensor:
+    """The 32 random bits per element of a parameter's stream at ``step`` (element indexes
+    ``offset ..``: a shard starting at global element ``offset`` gets the whole tensor's bits)."""
+    return rng.hash_bits(rng.stream_key(seed, step, index, rng.STREAM_PARAM), numel, device, offset)
 
 
 def round_param(x: torch.Tensor, dtype: torch.dtype, stochastic: bool, bits: torch.Tensor | None) -> torch.Tensor:
