@@ -28,7 +28,8 @@ from . import weights as wts
 from .fused import CompiledFusedSteps, FusedParam, FusedStepper, unfusable_reason
 from .params import NamedParams, compute_dtype, real_view
 from .reference import ReferenceSteps
-from .sharded import ShardedSteps, is_sharded, shard_geometry
+from .sharded import ShardedSteps, finish_encodes, is_sharded, shard_geometry
+from .sharded_state import agree, export_states
 from .spec import Hyper, Slot, StateSpec
 from .states import convert_state, zero_state
 
@@ -337,7 +338,7 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         pre-hooks first, post-hooks see (and may replace) the plain dict."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        sd = checkpoint.pack(self.param_groups, self.state, checkpoint.section(
+        sd = checkpoint.pack(self.param_groups, export_states(self.state), checkpoint.section(
             type(self).__name__, self.qconfig.to_dict(), self._seed, self._enable_overrides))
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, sd)
@@ -355,7 +356,7 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        loaded = checkpoint.parse(state_dict, self._checkpoint_target())
+        loaded = self._parse_checkpoint(state_dict)
         self._layout_version += 1
         self._enable_overrides, self._seed, self._plans = loaded.enable_overrides, loaded.seed, {}
         for group, new in zip(self.param_groups, loaded.groups):
@@ -367,6 +368,22 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         self.state.update({params[index]: entry for index, entry in loaded.states.items()})
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _parse_checkpoint(self, state_dict: Any) -> checkpoint.Loaded:
+        """:func:`checkpoint.parse`; with sharded parameters every rank learns whether all ranks
+        accepted it (so none waits in a collective) and re-encodes what must be, together."""
+        params = [p for _, p, _ in self._named_params()]
+        if not any(is_sharded(p) for p in params):
+            return checkpoint.parse(state_dict, self._checkpoint_target())
+        try:
+            loaded, error = checkpoint.parse(state_dict, self._checkpoint_target()), None
+        except ValueError as e:
+            loaded, error = None, e
+        if not agree(error is None, params):
+            raise error or ValueError("load_state_dict: the checkpoint was refused on another rank; the optimizer "
+                                      "was left unchanged")
+        finish_encodes(loaded.pending)
+        return loaded
 
     def _checkpoint_target(self) -> checkpoint.Target:
         """What :func:`checkpoint.parse` needs to know about this optimizer."""

@@ -48,6 +48,8 @@ from ..codec import Codec, QTensor
 from ..codec import packing
 from ..config import load_config
 from ..errors import QConfigError
+from . import sharded_state
+from .sharded import PendingEncode, is_sharded, shard_geometry
 from .spec import Slot, StateSpec
 from .states import convert_state, factored_dense
 
@@ -104,6 +106,8 @@ class Loaded:
     groups: list[dict[str, Any]]
     enable_overrides: dict[int, bool]
     seed: int
+    #: sharded states to encode (collectively, ``sharded.finish_encodes``) before they are used
+    pending: list[PendingEncode] = dataclasses.field(default_factory=list)
 
 
 def section(optimizer: str, qconfig: dict[str, Any], seed: int, enable_overrides: Mapping[int, bool]) -> dict[str, Any]:
@@ -177,6 +181,7 @@ def _parse(opt: Target, sd: Any) -> Loaded:
     if not isinstance(saved_state, Mapping):
         _fail(f"'state' must be a dict, got {type(saved_state).__name__}")
     states: dict[int, dict[str, Any]] = {}
+    pending: list[PendingEncode] = []
     for saved_id, entry in saved_state.items():
         index = saved_to_index.get(saved_id)
         if index is None:
@@ -190,8 +195,8 @@ def _parse(opt: Target, sd: Any) -> Loaded:
         force = overrides.get(index)
         layouts = [opt.planned_states(index, {**group_of_index[index], **variant}, force)
                    for variant in ({}, *opt.layout_variants)]
-        states[index] = _parse_entry(opt, where, opt.params[index], entry, layouts, torch_format=sections is None)
-    return Loaded(states, groups, overrides, seed)
+        states[index] = _parse_entry(opt, where, opt.params[index], entry, layouts, sections is None, pending)
+    return Loaded(states, groups, overrides, seed, pending)
 
 
 def _param_ids(opt: Target, saved_groups: Any) -> dict[Any, int]:
@@ -322,9 +327,12 @@ def _parse_step(opt: Target, where: str, entry: Mapping[str, Any], torch_format:
 
 
 def _parse_entry(opt: Target, where: str, p: torch.Tensor, entry: Mapping[str, Any],
-                 layouts: list[list[tuple[StateSpec, Codec | None]]], torch_format: bool) -> dict[str, Any]:
+                 layouts: list[list[tuple[StateSpec, Codec | None]]], torch_format: bool,
+                 pending: list[PendingEncode]) -> dict[str, Any]:
     """One parameter's new state. ``layouts[0]``: the states planned under the saved group;
-    the others: under each layout variant (see the module docstring for the rule)."""
+    the others: under each layout variant (see the module docstring for the rule). A sharded
+    parameter's states are its shard's (:mod:`qconf.optim.sharded_state`); those that must be
+    re-encoded are added to ``pending``."""
     out: dict[str, Any] = {"step": _parse_step(opt, where, entry, torch_format)}
     known: dict[str, tuple[StateSpec, Codec | None]] = {}
     for layout in layouts:
@@ -347,11 +355,13 @@ def _parse_entry(opt: Target, where: str, p: torch.Tensor, entry: Mapping[str, A
         spec, codec = known[key]
         value = entry[key]
         if isinstance(value, Mapping):
-            value = _as_qtensor(where, key, value, spec, p.device)
+            value = _as_qtensor(where, key, value, spec, p)
         else:
-            value = _as_tensor_state(where, key, value, spec, torch.float32 if codec is not None else spec.dtype,
-                                     p.device)
-        out[key] = convert_state(value, codec, spec.dtype)
+            value = _as_tensor_state(where, key, value, spec, torch.float32 if codec is not None else spec.dtype, p)
+        if is_sharded(p):
+            out[key] = sharded_state.convert_local(value, codec, spec.dtype, p, out, key, pending)
+        else:
+            out[key] = convert_state(value, codec, spec.dtype)
     return out
 
 
@@ -363,9 +373,14 @@ def _check_dense(where: str, what: str, value: Any) -> None:
 
 
 def _as_tensor_state(where: str, key: str, value: Any, spec: StateSpec, dtype: torch.dtype,
-                     device: torch.device) -> torch.Tensor:
-    """A full-precision state as a new ``dtype`` tensor on ``device`` (``dtype``: the state's own,
-    so no precision is lost on the way, or fp32 for a state about to be encoded)."""
+                     p: torch.Tensor) -> torch.Tensor:
+    """A full-precision state as a new ``dtype`` tensor on ``p``'s device (``dtype``: the state's
+    own, so no precision is lost on the way, or fp32 for a state about to be encoded); of a
+    sharded ``p``, this rank's rows."""
+    device = p.device
+    if is_sharded(p):
+        value = sharded_state.import_dense(value, p, lambda m: _fail(f"{where}: {m}"), f"key {key!r}")
+        spec = dataclasses.replace(spec, shape=tuple(value.shape))
     _check_dense(where, f"key {key!r}", value)
     if value.is_complex() and not dtype.is_complex:  # torch.optim's state of a complex parameter
         value = torch.view_as_real(value)
@@ -381,8 +396,10 @@ def _as_tensor_state(where: str, key: str, value: Any, spec: StateSpec, dtype: t
     return out
 
 
-def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec, device: torch.device) -> QTensor:
-    """A quantized state record as a QTensor on ``device``, checked to decode to finite values."""
+def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec, p: torch.Tensor) -> QTensor:
+    """A quantized state record as a QTensor on ``p``'s device, checked to decode to finite values
+    (of a sharded ``p``: its shard's QTensor; unpacked codes are accepted for either)."""
+    device = p.device
     missing = [k for k in ("codes", "scales", "shape", "codec") if k not in value]
     if missing:
         _fail(f"{where}: quantized state {key!r} is missing {missing}")
@@ -397,7 +414,11 @@ def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec,
         _fail(f"{where}: quantized state {key!r}: 'codec' must be a dict, got {type(value['codec']).__name__}")
     try:
         codec = Codec.from_dict(dict(value["codec"]))
-        q = QTensor(value["codes"], value["scales"], torch.Size(shape), codec)
+        if is_sharded(p):
+            q = sharded_state.import_qtensor(value, codec, p, lambda m: _fail(f"{where}: {m}"),
+                                             f"quantized state {key!r}")
+        else:
+            q = QTensor(_packed_codes(value, codec, shape), value["scales"], torch.Size(shape), codec)
     except (ValueError, TypeError) as e:
         _fail(f"{where}: quantized state {key!r} is invalid: {e}")
     q = QTensor(q.codes.to(device, copy=True), q.scales.to(device, copy=True), q.shape, codec)
@@ -406,9 +427,22 @@ def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec,
     levels = codec.qmap.numel()  # 2**bits - 1 for signed linear: the top code is outside the map
     if levels < 2**codec.bits and q.numel() > 0 and int(packing.unpack(q.codes, codec.bits, q.numel()).max()) >= levels:
         _fail(f"{where}: quantized state {key!r} has codes outside its {levels}-entry map")
-    if spec.slot in _NON_NEGATIVE and codec.signed and bool((q.decode() < 0).any()):
+    own = q.decode().reshape(-1)[shard_geometry(p).lead(codec):] if is_sharded(p) else q.decode()  # no padding
+    if spec.slot in _NON_NEGATIVE and codec.signed and bool((own < 0).any()):
         _fail(f"{where}: key {key!r} holds negative values; a second moment is never negative")
     return q
+
+
+def _packed_codes(record: Mapping[str, Any], codec: Codec, shape: list[int]) -> torch.Tensor:
+    """The packed codes of a record; unpacked ones (a sharded run's, :mod:`sharded_state`) are packed."""
+    codes = record["codes"]
+    if record.get(sharded_state.UNPACKED, True) is not False:
+        return codes
+    if is_sharded(codes):
+        codes = codes.full_tensor()
+    if codes.dtype != torch.uint8 or tuple(codes.shape) != tuple(shape):
+        raise ValueError(f"unpacked codes must be uint8 of shape {tuple(shape)}, got {codes.dtype} {tuple(codes.shape)}")
+    return packing.pack(codes.reshape(-1).to(torch.int64), codec.bits)
 
 
 def export_torch_state_dict(opt: Any) -> dict[str, Any]:
