@@ -4,6 +4,10 @@ Bytes come from the state tensors where they exist (a ``QTensor``'s packed codes
 fp32 tensor's storage) and from the plan before the first step; both agree. ``step`` counters are
 not counted. The fp32 equivalent is what torch.optim keeps: one fp32 tensor of the parameter's
 shape per optimizer state (two for Adam/AdamW, even when the second moment is factored).
+
+With sharded (FSDP2 / DTensor) parameters the rows are this rank's: local shapes, the bytes this
+rank holds (its codes, the scales its elements use) and its fp32 equivalent; ``whole_model`` sums
+numel, bytes and fp32 bytes over the ranks (one all-reduce, so every rank must call it).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch
 from ._table import format_table
 from .codec import QTensor
 from .config.plan import describe_codec
+from .optim.sharded import shard_geometry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,8 @@ class MemoryReport:
     """Per-parameter rows plus totals; ``str()`` renders a table."""
 
     rows: tuple[MemoryRow, ...]
+    #: (numel, total_bytes, fp32_bytes) summed over the ranks when parameters are sharded, else None
+    whole_model: tuple[int, int, int] | None = None
 
     @property
     def numel(self) -> int:
@@ -68,6 +75,8 @@ class MemoryReport:
             "total_bytes": self.total_bytes,
             "fp32_bytes": self.fp32_bytes,
             "bytes_per_param": self.bytes_per_param,
+            "whole_model": None if self.whole_model is None else dict(
+                zip(("numel", "total_bytes", "fp32_bytes"), self.whole_model)),
         }
 
     def __str__(self) -> str:
@@ -81,8 +90,13 @@ class MemoryReport:
         body.append(["total", str(self.numel), *[""] * len(keys), self.total_bytes, self.fp32_bytes,
                      f"{self.bytes_per_param:.3f}"])
         saved = 1 - self.total_bytes / self.fp32_bytes if self.fp32_bytes else 0.0
-        return format_table(header, body) + f"\nstate memory {self.total_bytes / 2**20:.2f} MiB vs fp32 " \
+        text = format_table(header, body) + f"\nstate memory {self.total_bytes / 2**20:.2f} MiB vs fp32 " \
             f"{self.fp32_bytes / 2**20:.2f} MiB ({saved:.1%} saved)"
+        if self.whole_model is not None:
+            numel, total, fp32 = self.whole_model
+            text += (f" on this rank; whole model {total / 2**20:.2f} MiB vs fp32 {fp32 / 2**20:.2f} MiB "
+                     f"({numel} params)")
+        return text
 
 
 def _nbytes(value: Any) -> int:
@@ -95,25 +109,36 @@ def memory_report(opt: Any) -> MemoryReport:
     """Report the state memory of a qconf optimizer (see module docstring)."""
     rows = []
     index = 0
+    sharded = None
     for group in opt.param_groups:
         for p in group["params"]:
             rows.append(_row(opt, index, p, group))
+            geo = shard_geometry(p)
+            sharded = sharded or (geo.group if geo is not None else None)
             index += 1
-    return MemoryReport(tuple(rows))
+    report = MemoryReport(tuple(rows))
+    if sharded is None:
+        return report
+    sums = torch.tensor([report.numel, report.total_bytes, report.fp32_bytes], dtype=torch.float64)
+    torch.distributed.all_reduce(sums, group=sharded)
+    return dataclasses.replace(report, whole_model=tuple(int(v) for v in sums.tolist()))
 
 
 def _row(opt: Any, index: int, p: torch.Tensor, group: dict[str, Any]) -> MemoryRow:
     """Parameter ``index``'s states: their bytes (held, or planned) and formats."""
     state = opt.state.get(p, {})
     states, formats = {}, {}
+    geo = shard_geometry(p)
+    shape = tuple(p.shape) if geo is None else geo.local_shape
     for spec, codec in opt.planned_states(index):
         value = state.get(spec.key)
         if value is not None:
             states[spec.key] = _nbytes(value)
             codec = value.codec if isinstance(value, QTensor) else None
         else:
-            states[spec.key] = codec.nbytes(spec.shape) if codec is not None else 4 * math.prod(spec.shape)
+            held = spec.shape if geo is None else geo.state_shape(codec)
+            states[spec.key] = codec.nbytes(held) if codec is not None else 4 * math.prod(held)
         formats[spec.key] = (str(spec.dtype).removeprefix("torch.") if codec is None
                              else describe_codec(codec, spec.shape))
-    fp32 = 4 * p.numel() * opt.fp32_state_count(group)
-    return MemoryRow(opt.param_name(index) or f"param{index}", tuple(p.shape), states, formats, fp32)
+    fp32 = 4 * math.prod(shape) * opt.fp32_state_count(group)
+    return MemoryRow(opt.param_name(index) or f"param{index}", shape, states, formats, fp32)

@@ -182,6 +182,9 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
     def _ensure_state(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> frozenset[str]:
         """Create missing states of ``p``; returns the keys created now."""
         state = self.state[p]
+        if any(isinstance(v, Mapping) for v in state.values()):  # written as a state dict holds it (ZeRO)
+            state = self.state[p] = checkpoint.adopt_entry(self._checkpoint_target(), index, group, state)
+            self._layout_version += 1
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32)
         plan = self.plan(index)
@@ -300,8 +303,9 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
             if not params:
                 return None
         signature = self._spec_signature(group)
-        # len(self.state): opt.state.clear() (or del opt.state[p]) orphans the plan's tensors
-        return ((lambda: (self._layout_version, len(self.state), have, signature)),
+        # the state entries' identities: opt.state.clear(), del opt.state[p] or opt.state[p] = {...}
+        # (ZeroRedundancyOptimizer.load_state_dict) orphan the plan's tensors
+        return ((lambda: (self._layout_version, have, signature, tuple(id(self.state.get(p)) for p in params))),
                 (lambda: self._fused_params(group, params)))
 
     def _fused_step(self, group: dict[str, Any]) -> None:

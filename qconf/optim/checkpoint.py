@@ -53,7 +53,8 @@ from .sharded import PendingEncode, is_sharded, shard_geometry
 from .spec import Slot, StateSpec
 from .states import convert_state, factored_dense
 
-__all__ = ["FORMAT_VERSION", "SECTION_KEY", "Target", "Loaded", "section", "pack", "parse", "export_torch_state_dict"]
+__all__ = ["FORMAT_VERSION", "SECTION_KEY", "Target", "Loaded", "section", "pack", "parse", "adopt_entry",
+           "export_torch_state_dict"]
 
 FORMAT_VERSION = 2
 #: the param-group key (format 2) or top-level key (format 1) of qconf's section
@@ -197,6 +198,24 @@ def _parse(opt: Target, sd: Any) -> Loaded:
                    for variant in ({}, *opt.layout_variants)]
         states[index] = _parse_entry(opt, where, opt.params[index], entry, layouts, sections is None, pending)
     return Loaded(states, groups, overrides, seed, pending)
+
+
+def adopt_entry(opt: Target, index: int, group: Mapping[str, Any], entry: Mapping[str, Any]) -> dict[str, Any]:
+    """One parameter's state entry written into ``optimizer.state`` as a state dict holds it (what
+    ``ZeroRedundancyOptimizer.load_state_dict`` does: it never calls the inner optimizer's
+    ``load_state_dict``), validated and built like :func:`parse` does (``ValueError`` otherwise)."""
+    name = opt.names[index]
+    where = f"parameter {index} ({name!r})" if name else f"parameter {index}"
+    force = opt.enable_overrides.get(index)
+    layouts = [opt.planned_states(index, {**group, **variant}, force) for variant in ({}, *opt.layout_variants)]
+    pending: list[PendingEncode] = []
+    try:
+        out = _parse_entry(opt, where, opt.params[index], entry, layouts, False, pending)
+    except _Fail as e:
+        raise ValueError(str(e).replace("load_state_dict", "a state written into optimizer.state")) from None
+    if pending:
+        raise ValueError(f"{where}: a sharded state written into optimizer.state must be loaded with load_state_dict")
+    return out
 
 
 def _param_ids(opt: Target, saved_groups: Any) -> dict[Any, int]:
