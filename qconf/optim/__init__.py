@@ -5,7 +5,7 @@ values), ``weights`` (bf16/fp16 parameter writes), ``fused`` (the native step), 
 ``base`` (QOptimizer), and the rules ``adam``, ``sgd``, ``lion``."""
 from .adam import Adam, AdamW
 from .base import QOptimizer
-from .checkpoint import export_torch_state_dict
+from .export import export_torch_state_dict
 from .lion import Lion
 from .sgd import SGD
 from .spec import Hyper, Slot, StateSpec

@@ -3,7 +3,7 @@
 ``parse`` turns a state dict -- qconf's own (any qconfig, format 1 or 2) or torch.optim's
 AdamW/Adam/SGD -- into fully built new optimizer contents *without touching the optimizer*, so a
 bad checkpoint raises ``ValueError`` before anything changes. The optimizer describes itself to
-it as a :class:`Target`. ``export_torch_state_dict`` goes the other way.
+it as a :class:`Target`. :func:`qconf.optim.export.export_torch_state_dict` goes the other way.
 
 **Where qconf's own data lives (format 2).** Every param group carries a ``"qconf"`` section (see
 :func:`section`): format version, optimizer class, qconfig (a record of how the states were
@@ -38,7 +38,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -51,10 +50,9 @@ from ..errors import QConfigError
 from . import sharded_state
 from .sharded import PendingEncode, is_sharded, shard_geometry
 from .spec import Slot, StateSpec
-from .states import convert_state, factored_dense
+from .states import convert_state
 
-__all__ = ["FORMAT_VERSION", "SECTION_KEY", "Target", "Loaded", "section", "pack", "parse", "adopt_entry",
-           "export_torch_state_dict"]
+__all__ = ["FORMAT_VERSION", "SECTION_KEY", "Target", "Loaded", "section", "pack", "parse", "adopt_entry"]
 
 FORMAT_VERSION = 2
 #: the param-group key (format 2) or top-level key (format 1) of qconf's section
@@ -462,50 +460,3 @@ def _packed_codes(record: Mapping[str, Any], codec: Codec, shape: list[int]) -> 
     if codes.dtype != torch.uint8 or tuple(codes.shape) != tuple(shape):
         raise ValueError(f"unpacked codes must be uint8 of shape {tuple(shape)}, got {codes.dtype} {tuple(codes.shape)}")
     return packing.pack(codes.reshape(-1).to(torch.int64), codec.bits)
-
-
-def export_torch_state_dict(opt: Any) -> dict[str, Any]:
-    """A state dict that ``torch.optim.AdamW``/``Adam``/``SGD`` (same param groups) can load,
-    from a qconf optimizer ``opt``.
-
-    Quantized states are decoded to the parameter's dtype (as torch.optim keeps them). A factored
-    second moment is expanded to the dense ``exp_avg_sq`` it stands for (with a warning).
-    """
-    sd = opt.state_dict()
-    params = [(p, g) for g in opt.param_groups for p in g["params"]]
-    state = {}
-    for index, entry in sd["state"].items():
-        p, group = params[index]
-        out = {}
-        for key, value in entry.items():
-            if isinstance(value, Mapping):
-                value = QTensor.from_dict(value).decode()
-            if key == "step":
-                if opt.requires_step:
-                    out["step"] = value.clone()
-                continue
-            if key in ("exp_avg_sq_row", "exp_avg_sq_col", "kahan_comp"):  # no torch.optim counterpart
-                continue
-            out[key] = _torch_form(value, p)
-        if group.get("factor_second_moment") and "exp_avg_sq_row" in entry:
-            warnings.warn(f"export_torch_state_dict: parameter {index} has a factored second moment; exported "
-                          "as the dense exp_avg_sq it approximates", stacklevel=2)
-            out["exp_avg_sq"] = _torch_form(factored_dense(entry["exp_avg_sq_row"], entry["exp_avg_sq_col"]), p)
-        for key in opt.lazy_states:
-            out.setdefault(key, None)
-        state[index] = out
-    groups = []
-    for g in sd["param_groups"]:
-        drop = (*opt.qconf_only_group_keys, SECTION_KEY)
-        g = copy.deepcopy({k: v for k, v in g.items() if k not in drop})
-        g.update(opt.torch_group_defaults)
-        groups.append(g)
-    return {"state": state, "param_groups": groups}
-
-
-def _torch_form(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A state as torch.optim keeps it: a new tensor of ``p``'s dtype (a complex parameter's state,
-    kept as its ``view_as_real``, back as a complex tensor of ``p``'s shape)."""
-    if p.is_complex():
-        return torch.view_as_complex(value.to(torch.view_as_real(p).dtype).contiguous()).clone()
-    return value.to(p.dtype).clone()
