@@ -26,8 +26,12 @@ def _invariance_rank(rank: int, world: int, qconfig: dict) -> dict:
     model = W.shard(W.make_model(), world)
     opt = W.make_optimizer(model, qconfig)
     W.step_with_grads(opt, model, 20)
+    from qconf import memory_report
+
+    report = memory_report(opt)
     return {"plans": W.plans(opt), "states": W.full_states(opt, model),
-            "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+            "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+            "memory": (report.numel, report.total_bytes, report.fp32_bytes, report.whole_model)}
 
 
 @pytest.mark.parametrize("qconfig", [W.QCONFIG, W.QCONFIG_SR], ids=["rank1-nearest", "dim1-stochastic"])
@@ -39,6 +43,16 @@ def test_sharded_states_equal_the_unsharded_run_bit_for_bit(qconfig):
     want = W.unsharded_states(opt, model)
     kinds = {v[0] for entry in want.values() for key, v in entry.items() if key != "step"}
     assert kinds == {"q", "t"}  # both quantized and dense states are covered
+    from qconf import memory_report
+
+    single = memory_report(opt)
+    per_rank = [got["memory"] for got in ranks]
+    assert all(m[3] == per_rank[0][3] for m in per_rank)  # the same whole-model figures on every rank
+    assert [sum(m[i] for m in per_rank) for i in range(3)] == list(per_rank[0][3])
+    numel, total, fp32 = per_rank[0][3]
+    assert (numel, fp32) == (single.numel, single.fp32_bytes)
+    # each rank also holds the scales its shard shares with a neighbour (and a few padding codes)
+    assert single.total_bytes <= total <= single.total_bytes * 1.02
     for got in ranks:
         assert got["plans"] == W.plans(opt)  # quantize or not, and the codec, of every state
         for name, p in model.named_parameters():
