@@ -171,6 +171,10 @@ def _bad_checkpoint_rank(rank: int, world: int) -> list[str]:
             errors.append(str(e))
     after = W.full_states(opt, model)
     unchanged = all(_same_state(before[n][k], after[n][k]) for n in before for k in before[n])
+    try:  # fused=True promises the native kernel or an error; it does not run on shards yet
+        W.step_with_grads(W.make_optimizer(model, W.QCONFIG, fused=True), model, 1)
+    except RuntimeError as e:
+        errors.append(str(e))
     return errors + [f"unchanged={unchanged}"]
 
 
@@ -181,6 +185,7 @@ def _same_state(a, b) -> bool:
 def test_a_bad_distributed_checkpoint_is_refused_on_every_rank_and_changes_nothing():
     for rank, report in enumerate(spawn(_bad_checkpoint_rank, 2)):
         assert report[-1] == "unchanged=True", rank
-        assert len(report) == 3, report
+        assert len(report) == 4, report
         assert "scales" in report[0] or "another rank" in report[0], report[0]
         assert "shape" in report[1], report[1]
+        assert "fused=True" in report[2] and "fused=None" in report[2], report[2]

@@ -237,7 +237,12 @@ class ShardedSteps:
     index). Every rank steps its shards; one all-reduce per step completes the shared scales."""
 
     def _sharded_step(self, groups: list[dict[str, Any]]) -> None:
-        """One step of every parameter with a gradient in ``groups`` (plain ones included)."""
+        """One step of every parameter with a gradient in ``groups`` (plain ones included), on the
+        reference path (``fused=True`` is an error; the fused kernel does not run on shards yet)."""
+        if self._fused:
+            raise RuntimeError(f"{type(self).__name__}(fused=True): sharded (DTensor) parameters take the "
+                               "reference step on their local shard; the fused kernel does not run on them yet. "
+                               "Pass fused=None (docs/distributed.md)")
         index = self._param_index()
         pending: list[PendingEncode] = []
         for group in groups:
