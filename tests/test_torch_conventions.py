@@ -194,7 +194,7 @@ def test_zero_size_factored_params_step_on_both_paths(shape):
 def test_float64_and_complex_checkpoints_round_trip_with_torch(dtype):
     """torch.optim's state of a float64/complex parameter loads into qconf (complex states become
     their real view) and qconf's exports back in torch's form; both continue as torch does."""
-    from qconf.optim.checkpoint import export_torch_state_dict
+    from qconf.optim import export_torch_state_dict
     gen = torch.Generator().manual_seed(0)
     init = torch.randn(6, 5, generator=gen, dtype=dtype)
     grads = [torch.randn(6, 5, generator=gen, dtype=dtype) for _ in range(6)]
