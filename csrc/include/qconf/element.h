@@ -236,18 +236,30 @@ QCONF_HD float finite_square(float g) {
   return s <= 3.40282347e+38f ? s : 0.0f;  // FLT_MAX; false for NaN
 }
 
-// Two-pass states: stored scale j and its reciprocal from the absmax bits reduced into `parts`
-// partial arrays of `num_scales` each (the CPU's threads; the CUDA kernels reduce into one).
-QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int parts, int64_t j, float* recip,
-                             float* scale) {
+// Two-pass states: the absmax bits of scale j, the max over `parts` partial arrays of
+// `num_scales` each (the CPU's threads; the CUDA kernels reduce into one).
+QCONF_HD uint32_t combine_partials(const uint32_t* partial, int64_t num_scales, int parts, int64_t j) {
   uint32_t m = 0;
   for (int k = 0; k < parts; ++k) {
     const uint32_t b = partial[k * num_scales + j];
     m = b > m ? b : m;
   }
+  return m;
+}
+
+// Stored scale j and its reciprocal from the absmax bits `m` of its block's finite new values
+// (the FLT_MIN floor of scale_from_absmax_bits is applied here). The split CPU step
+// (fused_step_cpu_reduce / _apply) calls it with maxima that may have been combined across ranks.
+QCONF_HD void finalize_scale_bits(uint32_t m, int64_t j, float* recip, float* scale) {
   const float s = scale_from_absmax_bits(m);
   recip[j] = qdiv(1.0f, s);
   scale[j] = s;
+}
+
+// Two-pass states: stored scale j and its reciprocal from the threads' partial absmax bits.
+QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int parts, int64_t j, float* recip,
+                             float* scale) {
+  finalize_scale_bits(combine_partials(partial, num_scales, parts, j), j, recip, scale);
 }
 
 // ---------------------------------------------------------------------------------------------
