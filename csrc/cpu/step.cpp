@@ -147,9 +147,9 @@ struct ReleaseGrads {
   }
 };
 
-// fn(i, k, st) for each two-pass quantized state k of the nonempty tensors i, in tensor order and within
-// a tensor in slot order: the order of the split step's maxima. (The Kahan buffer's blocks always
-// stay within a tile: it is never two-pass.)
+// fn(i, k, st) for each two-pass quantized state k of each nonempty tensor i, in tensor order and
+// within a tensor in slot order: the order of the split step's maxima. (The Kahan buffer's blocks
+// always stay within a tile: it is never two-pass.)
 template <class Fn>
 void for_each_two_pass(std::vector<TensorDesc>& descs, Fn&& fn) {
   for (size_t i = 0; i < descs.size(); ++i) {
