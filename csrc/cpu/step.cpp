@@ -279,7 +279,8 @@ std::tuple<at::Tensor, at::Tensor> fused_step_cpu_reduce(CpuWorkspace& ws, int64
   float* mx = maxima.data_ptr<float>();
   for_each_two_pass(descs, [&](int64_t i, int k, StateDesc& st) {
     float* dst = mx + off[i * 3 + k];
-    for (int64_t j = 0; j < st.num_scales; ++j) dst[j] = bits_f32(combine_partials(st.partial, st.num_scales, nthreads, j));
+    for (int64_t j = 0; j < st.num_scales; ++j)
+      dst[j] = bits_f32(combine_partials(st.partial, st.num_scales, nthreads, j));
   });
   ws.pending = true;
   ws.pending_rule = rule;
