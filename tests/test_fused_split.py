@@ -4,9 +4,12 @@ to combine the new scales' maxima across ranks in between.
 With the maxima unchanged the split step is bit-identical to ``GroupPlan.run`` (parameters, codes,
 scales, fp32 states, steps); with maxima increased (what an all-reduce MAX does) the stored scales
 are those maxima (a nonzero one below FLT_MIN becomes FLT_MIN) and the codes are the reference
-encoder's with those scales.
+encoder's with those scales. A shard with ``FusedParam.rng_offset`` draws the random bits of its
+elements in the whole parameter.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from qconf.codec import QTensor
 from qconf.codec.packing import pack
 from qconf.codec.scales import FLT_MIN, expand_reciprocals
 from qconf.optim import SGD, AdamW, Lion
+from qconf.optim.fused import GroupPlan, _signed64
 
 from helpers import CONFIGS
 
@@ -301,3 +305,67 @@ def test_split_step_on_every_isa(isa, monkeypatch):
     monkeypatch.setenv("QCONF_CPU_ISA", isa)
     (pa, oa), (pb, ob), _ = _run_pair(RULES["adamw"], _state_cfg("rank1", 4, "stochastic"), torch.float32, 2)
     _assert_same(pa, oa, pb, ob)
+
+
+# ---------------------------------------------------------------------------------------------
+# FusedParam.rng_offset: a shard x[a:] draws the random bits of elements a.. of the whole x
+
+def _offset_plan(opt, offset):
+    """A plan of ``opt``'s single group whose parameters start at stream element ``offset``."""
+    group = opt.param_groups[0]
+    fps = [dataclasses.replace(fp, rng_offset=offset) for fp in opt._fused_params(group, group["params"])]
+    return GroupPlan(opt._kernel._rule, fps), opt._kernel.hyper_values(opt._hyper(group))
+
+
+@pytest.mark.parametrize("a", [1, 12345])
+def test_rng_offset_shard_rounds_bf16_weights_like_the_whole(a):
+    """bf16 weights with stochastic rounding, fp32 states: only the parameter's stream matters."""
+    cfg = {"min_numel": 0, "weights": {"rounding": "stochastic"},
+           "states": {"exp_avg": {"enable": False}, "exp_avg_sq": {"enable": False}}}
+    full = torch.nn.Parameter((torch.randn(40000, generator=torch.Generator().manual_seed(0)) * 0.5).bfloat16())
+    shard = torch.nn.Parameter(full.detach()[a:].clone())
+    of, os_ = (AdamW([p], lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=True, seed=3) for p in (full, shard))
+    for step in range(3):
+        g = _grads([(40000,)], step, torch.bfloat16)[0]
+        full.grad, shard.grad = g.clone(), g[a:].clone()
+        of.step()
+        plan, hyper = _offset_plan(os_, a)
+        plan.run(hyper, _signed64(os_._seed))
+        assert torch.equal(shard.view(torch.int16), full.detach()[a:].view(torch.int16)), step
+    # without the offset the shard would draw other bits
+    plan, hyper = _offset_plan(os_, 0)
+    shard.grad = full.grad[a:].clone()
+    before = full.detach()[a:].clone()
+    of.step()
+    plan.run(hyper, _signed64(os_._seed))
+    assert not torch.equal(shard.view(torch.int16), full.detach()[a:].view(torch.int16))
+    assert not torch.equal(before, full.detach()[a:])
+
+
+def test_rng_offset_shard_with_global_maxima_matches_the_whole():
+    """A shard x[a:] with rng_offset=a whose tensor-scale states get the whole tensor's maxima (what
+    the all-reduce gives FSDP) stores the whole tensor's codes, scales and parameter bits."""
+    a, n = 12345, 40000
+    cfg = {"min_numel": 0, "weights": {"rounding": "stochastic"},
+           "states": {"exp_avg": {"bits": 8, "scale": "tensor", "rounding": "stochastic"},
+                      "exp_avg_sq": {"bits": 8, "scale": "tensor", "rounding": "stochastic", "map": "power-1",
+                                     "signed": False}}}
+    full = torch.nn.Parameter((torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.5).bfloat16())
+    shard = torch.nn.Parameter(full.detach()[a:].clone())
+    of, os_ = (AdamW([p], lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=True, seed=3) for p in (full, shard))
+    for step in range(3):
+        g = _grads([(n,)], step, torch.bfloat16)[0]
+        full.grad, shard.grad = g.clone(), g[a:].clone()
+        pf, hyper = _offset_plan(of, 0)
+        ps, _ = _offset_plan(os_, a)
+        mf, off_f = pf.reduce(hyper, of._seed, [full.grad])
+        ms, off_s = ps.reduce(hyper, os_._seed, [shard.grad])
+        assert torch.equal(off_f, off_s) and mf.numel() == ms.numel() == 2
+        assert (ms <= mf).all()
+        pf.apply(mf)
+        ps.apply(torch.maximum(ms, mf))  # the all-reduce MAX over the shards
+        assert torch.equal(shard.view(torch.int16), full.detach()[a:].view(torch.int16)), step
+        for key in ("exp_avg", "exp_avg_sq"):
+            qf, qs = of.state[full][key], os_.state[shard][key]
+            assert torch.equal(qs.scales, qf.scales), (step, key)
+            assert torch.equal(qs.codes, qf.codes[a:]), (step, key)

@@ -66,6 +66,9 @@ class FusedParam:
             means a factored second moment, ``COMPENSATION`` a Kahan buffer.
         stochastic_weights: a bf16/fp16 parameter receives its update by stochastic rounding.
         first: a lazily created state (SGD's momentum buffer) starts at this step.
+        rng_offset: the index of ``param``'s element 0 in its random streams (>= 0): a shard
+            starting at flat element ``a`` of its global parameter passes ``a`` and draws the same
+            stochastic-rounding bits as elements ``a..`` of the whole parameter.
     """
 
     index: int
@@ -74,6 +77,7 @@ class FusedParam:
     states: Mapping[Slot, torch.Tensor | QTensor]
     stochastic_weights: bool = False
     first: bool = False
+    rng_offset: int = 0
 
 
 @functools.cache
@@ -165,6 +169,7 @@ def _describe_param(lay: Mapping[str, int], fp: FusedParam, tables: dict[Codec, 
     row[lay["meta.ndim"]] = p.dim()
     row[lay["meta.shape"]:lay["meta.shape"] + p.dim()] = list(p.shape)
     row[lay["meta.first"]] = int(fp.first)
+    row[lay["meta.rng_offset"]] = fp.rng_offset
     for slot, value in fp.states.items():
         if slot in (Slot.ROW, Slot.COL):  # fp32 statistics, no meta columns of their own
             row[lay["meta.factored"]] = 1

@@ -153,8 +153,12 @@ QCONF_HD uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The keys of one random stream, and `offset`: the stream index of the tensor's element 0 (a
+// shard's start in its global parameter, so that a shard draws the bits of its global elements;
+// 0 for a whole tensor). Element i of the tensor draws element i + offset of the stream.
 struct StreamKey {
   uint32_t k0, k1;
+  uint64_t offset;
 };
 
 // Keys of the random stream for (seed, step, tensor, stream); same chain as rng.stream_key.
@@ -163,7 +167,7 @@ QCONF_HD StreamKey stream_key(uint64_t seed, uint64_t step, uint64_t tensor, uin
   h = splitmix64(h ^ step);
   h = splitmix64(h ^ tensor);
   h = splitmix64(h ^ stream);
-  return StreamKey{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32)};
+  return StreamKey{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32), 0};
 }
 
 // "lowbias32" integer hash (T = uint32_t or a vector of uint32 lanes).
@@ -176,8 +180,9 @@ QCONF_HD U mix32(U x) {
   return x ^ (x >> 16);
 }
 
-// 32 random bits for element i of a stream.
+// 32 random bits for element i of a tensor: element i + k.offset of its stream.
 QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) {
+  i += k.offset;
   const uint32_t h = mix32<uint32_t>(static_cast<uint32_t>(i) ^ k.k0);
   return mix32<uint32_t>(h ^ (static_cast<uint32_t>(i >> 32) + k.k1));
 }

@@ -137,10 +137,13 @@ struct CallContext {
                 device_name);
   }
   // the random stream `stream` of parameter i at this step: 0, 1 its states, 2 its own stochastic
-  // rounding, 3 its quantized Kahan buffer (qconf/codec/rng.py)
+  // rounding, 3 its quantized Kahan buffer (qconf/codec/rng.py); its element 0 draws stream
+  // element m[kMetaRngOffset] (checked >= 0 in describe_param)
   StreamKey key(const int64_t* m, double step, uint64_t stream) const {
-    return stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step), static_cast<uint64_t>(m[kMetaIndex]),
-                      stream);
+    StreamKey k = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                             static_cast<uint64_t>(m[kMetaIndex]), stream);
+    k.offset = static_cast<uint64_t>(m[kMetaRngOffset]);
+    return k;
   }
 };
 
@@ -186,6 +189,7 @@ inline void describe_param(const CallContext& cx, int64_t i, const at::Tensor& p
   TORCH_CHECK(p.is_contiguous(), "qconf fused_step: parameter ", i, " must be contiguous");
   TORCH_CHECK(g.numel() == p.numel(), "qconf fused_step: gradient ", i, " has ", g.numel(), " elements, the parameter ", p.numel());
   t.numel = p.numel();
+  TORCH_CHECK(m[kMetaRngOffset] >= 0, "qconf fused_step: meta rng_offset of parameter ", i, " is negative");
   t.ndim = static_cast<int32_t>(m[kMetaNdim]);
   TORCH_CHECK(t.ndim == p.dim() && t.ndim <= kMaxDims, "qconf fused_step: meta ndim of parameter ", i, " is wrong");
   for (int d = 0; d < t.ndim; ++d) {
