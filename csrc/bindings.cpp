@@ -5,7 +5,8 @@
 //                under torch.compile; fake impl in qconf/ops/__init__.py)
 //   StepPlan     the same step with the per-parameter tensors kept on the C++ side, so an eager
 //                step only passes the gradients (per-tensor argument overhead matters at 1000s
-//                of small parameters)
+//                of small parameters); reduce() + apply() split it around the combination
+//                of the two-pass scales' maxima across ranks (CPU)
 //   layout       the positions and codes of the ops' arguments (qconf/layout.h), which Python
 //                reads instead of repeating them
 #include <Python.h>
@@ -13,6 +14,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "qconf/isa.h"
@@ -64,6 +66,22 @@ struct StepPlan : torch::CustomClassHolder {
 #endif
     qconf::fused_step_cpu_reusing(*workspace, rule, params, grads, steps, states, meta, tables, hyper, seed);
   }
+  // The step of run() in two calls (qconf/step_driver.h: fused_step_cpu_reduce / _apply), with the
+  // gradients given (FSDP: the plan's parameters are local shards, whose .grad is not set). The
+  // workspace holds the gradients and descriptions from reduce() to apply().
+  std::tuple<at::Tensor, at::Tensor> reduce(const std::vector<double>& hyper, int64_t seed,
+                                            const std::vector<at::Tensor>& grads_) {
+    check_cpu("reduce");
+    return qconf::fused_step_cpu_reduce(*workspace, rule, params, grads_, steps, states, meta, tables, hyper, seed);
+  }
+  void apply(const at::Tensor& maxima) {
+    check_cpu("apply");
+    qconf::fused_step_cpu_apply(*workspace, steps, maxima);
+  }
+  void check_cpu(const char* what) const {
+    TORCH_CHECK(params.empty() || !params[0].is_cuda(), "qconf StepPlan.", what,
+                ": the split step is not supported on CUDA (CPU plans only); use run()");
+  }
 };
 
 }  // namespace
@@ -77,7 +95,9 @@ TORCH_LIBRARY(qconf, m) {
   m.class_<StepPlan>("StepPlan")
       .def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
                        at::Tensor>())
-      .def("run", &StepPlan::run);
+      .def("run", &StepPlan::run)
+      .def("reduce", &StepPlan::reduce)
+      .def("apply", &StepPlan::apply);
 }
 
 TORCH_LIBRARY_IMPL(qconf, CPU, m) { m.impl("fused_step", &qconf::fused_step_cpu); }

@@ -29,7 +29,7 @@ KEYS = {
     "hyper.lr", "hyper.beta1", "hyper.beta2", "hyper.eps", "hyper.weight_decay", "hyper.momentum",
     "hyper.dampening", "hyper.maximize", "hyper.nesterov", "hyper.decoupled", "hyper.len",
     "meta.index", "meta.first", "meta.factored", "meta.ndim", "meta.shape", "meta.state0", "meta.state1",
-    "meta.weights", "meta.comp", "meta.cols",
+    "meta.weights", "meta.comp", "meta.rng_offset", "meta.cols",
     "state.kind", "state.table", "state.codec", "state.cols",
     "codec.bits", "codec.levels", "codec.scale_kind", "codec.block", "codec.d1", "codec.inner", "codec.stochastic",
     "codec.len",
@@ -76,7 +76,8 @@ def test_layout_keys_and_self_consistency(L):
     blocks = [(L[k], L[k] + w) for k, w in (("meta.index", 1), ("meta.first", 1), ("meta.factored", 1),
                                             ("meta.ndim", 1), ("meta.shape", L["max_dims"]),
                                             ("meta.state0", L["state.cols"]), ("meta.state1", L["state.cols"]),
-                                            ("meta.weights", 1), ("meta.comp", L["state.cols"]))]
+                                            ("meta.weights", 1), ("meta.comp", L["state.cols"]),
+                                            ("meta.rng_offset", 1))]
     blocks.sort()
     assert all(a[1] <= b[0] for a, b in zip(blocks, blocks[1:])), blocks
     assert blocks[-1][1] <= L["meta.cols"]

@@ -7,6 +7,11 @@
 //
 // each as one at::parallel_for over the work items of *all* tensors (multi-tensor). The ISA
 // (AVX-512 with or without VBMI / AVX2 / scalar) is chosen per call; all give identical results.
+//
+// The same step also runs as two calls (fused_step_cpu_reduce, then fused_step_cpu_apply) so that
+// the new absmax of every two-pass scale can be combined across ranks in between (FSDP): reduce
+// runs the reduce pass over all tensors at once and returns the maxima; apply turns the (possibly
+// larger) maxima into scales exactly as a plain step does and runs the apply pass.
 #include "qconf/step_driver.h"
 
 #include <ATen/ATen.h>
@@ -14,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "qconf/factored.h"
@@ -113,6 +119,54 @@ void run_factor_pass(RunItemsFn fn, const StepContext& ctx, CpuWorkspace& ws, st
   }
 }
 
+// The descriptions of the call's tensors (qconf/step_host.h) and their scratch, in `ws`; the step
+// counters are incremented only if `advance_steps`. Returns the kernels' context.
+StepContext describe_call(CpuWorkspace& ws, int64_t rule, at::TensorList params, at::TensorList grads,
+                          at::TensorList steps, at::TensorList states, const at::Tensor& meta,
+                          const at::Tensor& tables, c10::ArrayRef<double> hyper, int64_t seed, int nthreads,
+                          bool advance_steps) {
+  host::CallDescs& call = ws.call;
+  host::describe_tensors(rule, params, grads, steps, states, meta, tables.data_ptr<float>(), tables.size(0), hyper,
+                         seed, at::Device(at::kCPU), "CPU", call, advance_steps);
+  assign_scratch(ws, call.descs, nthreads);
+  StepContext ctx;
+  ctx.rule = static_cast<int32_t>(rule);
+  ctx.tensors = call.descs.data();
+  ctx.max_tile = static_cast<int32_t>(call.max_tile);
+  return ctx;
+}
+
+// Drops the call's gradients when it ends (the workspace outlives the call; the gradients must
+// not), unless `keep` (a split step holds them from reduce() to apply()).
+struct ReleaseGrads {
+  host::CallDescs& c;
+  bool keep = false;
+  ~ReleaseGrads() {
+    if (keep) return;
+    for (auto& g : c.grad_storage) g.reset();
+  }
+};
+
+// fn(i, k, st) for each two-pass quantized state k of each nonempty tensor i, in tensor order and
+// within a tensor in slot order: the order of the split step's maxima. (The Kahan buffer's blocks
+// always stay within a tile: it is never two-pass.)
+template <class Fn>
+void for_each_two_pass(std::vector<TensorDesc>& descs, Fn&& fn) {
+  for (size_t i = 0; i < descs.size(); ++i) {
+    if (descs[i].numel == 0) continue;
+    for (int k = 0; k < 2; ++k) {
+      StateDesc& st = descs[i].st[k];
+      if (st.kind == kQuant && st.two_pass) fn(static_cast<int64_t>(i), k, st);
+    }
+  }
+}
+
+// After the apply pass of two-pass states: the new scales replace the old ones (which were needed
+// until every tile was dequantized).
+void store_new_scales(const StateDesc& st) {
+  std::memcpy(st.scales, st.new_recip + st.num_scales, sizeof(float) * st.num_scales);
+}
+
 // Two-pass states of the tensors `batch`: the reduce pass, the new scales and reciprocals from
 // the threads' partial maxima, the apply pass, then the new scales replace the old ones (which
 // were needed until every tile was dequantized).
@@ -131,8 +185,7 @@ void run_two_pass(RunItemsFn fn, const StepContext& ctx, CpuWorkspace& ws, std::
   run_phase(fn, ctx, items, kPassApply);
   for (int64_t i : ws.batch)
     for (auto& st : descs[i].st)
-      if (st.kind == kQuant && st.two_pass)
-        std::memcpy(st.scales, st.new_recip + st.num_scales, sizeof(float) * st.num_scales);
+      if (st.kind == kQuant && st.two_pass) store_new_scales(st);
   ws.batch.clear();
 }
 
@@ -151,27 +204,17 @@ void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList param
                     at::TensorList steps, at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                     c10::ArrayRef<double> hyper, int64_t seed) {
   const int64_t T = static_cast<int64_t>(params.size());
+  ws.pending = false;  // a plain step replaces a split step's pending state
   host::check_call(rule, params, grads, steps, states, meta, tables, hyper);
   if (T == 0) return;
 
   // one TensorDesc per parameter (codecs, scalars, RNG keys, tiles), as the CUDA driver builds them
   host::CallDescs& call = ws.call;
-  struct ReleaseGrads {  // the workspace outlives the call; the gradients must not
-    host::CallDescs& c;
-    ~ReleaseGrads() {
-      for (auto& g : c.grad_storage) g.reset();
-    }
-  } release{call};
-  host::describe_tensors(rule, params, grads, steps, states, meta, tables.data_ptr<float>(), tables.size(0), hyper,
-                         seed, at::Device(at::kCPU), "CPU", call);
-  std::vector<TensorDesc>& descs = call.descs;
+  ReleaseGrads release{call};
   const int nthreads = at::get_num_threads();
-  assign_scratch(ws, descs, nthreads);
-
-  StepContext ctx;
-  ctx.rule = static_cast<int32_t>(rule);
-  ctx.tensors = descs.data();
-  ctx.max_tile = static_cast<int32_t>(call.max_tile);
+  const StepContext ctx =
+      describe_call(ws, rule, params, grads, steps, states, meta, tables, hyper, seed, nthreads, true);
+  std::vector<TensorDesc>& descs = call.descs;
   const RunItemsFn fn = isa_function();
   if (call.any_factored) run_factor_pass(fn, ctx, ws, descs);
 
@@ -196,6 +239,95 @@ void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList param
   }
   if (!ws.batch.empty()) run_two_pass(fn, ctx, ws, descs, nthreads);
   run_phase(fn, ctx, ws.single_items, kPassApply);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_step_cpu_reduce(CpuWorkspace& ws, int64_t rule, at::TensorList params,
+                                                         at::TensorList grads, at::TensorList steps,
+                                                         at::TensorList states, const at::Tensor& meta,
+                                                         const at::Tensor& tables, c10::ArrayRef<double> hyper,
+                                                         int64_t seed) {
+  const int64_t T = static_cast<int64_t>(params.size());
+  ws.pending = false;
+  host::check_call(rule, params, grads, steps, states, meta, tables, hyper);
+  host::CallDescs& call = ws.call;
+  ReleaseGrads release{call};  // kept for apply() once the reduce pass has run
+  const int nthreads = at::get_num_threads();
+  const StepContext ctx =
+      describe_call(ws, rule, params, grads, steps, states, meta, tables, hyper, seed, nthreads, false);
+  std::vector<TensorDesc>& descs = call.descs;
+  for (int64_t i = 0; i < T; ++i)
+    TORCH_CHECK(!descs[i].factored, "qconf StepPlan.reduce: parameter ", i,
+                " has a factored second moment, which the split step does not support (its row / column "
+                "statistics would need a reduction of their own); use run()");
+
+  // where each state's maxima go, and the reduce pass over every two-pass tensor at once
+  at::Tensor offsets = at::full({T, 3}, -1, at::kLong);
+  int64_t* off = offsets.data_ptr<int64_t>();
+  int64_t total = 0;
+  for_each_two_pass(descs, [&](int64_t i, int k, StateDesc& st) {
+    off[i * 3 + k] = total;
+    total += st.num_scales;
+  });
+  std::vector<WorkItem>& items = ws.batch_items;
+  items.clear();
+  for (int64_t i = 0; i < T; ++i)
+    if (descs[i].numel > 0 && descs[i].two_pass) append_tiles(descs, i, items);
+  run_phase(isa_function(), ctx, items, kPassReduce);
+
+  // the threads' partial absmax bits combined: the absmax itself, a finite float >= 0
+  at::Tensor maxima = at::empty({total}, at::kFloat);
+  float* mx = maxima.data_ptr<float>();
+  for_each_two_pass(descs, [&](int64_t i, int k, StateDesc& st) {
+    float* dst = mx + off[i * 3 + k];
+    for (int64_t j = 0; j < st.num_scales; ++j)
+      dst[j] = bits_f32(combine_partials(st.partial, st.num_scales, nthreads, j));
+  });
+  ws.pending = true;
+  ws.pending_rule = rule;
+  ws.pending_maxima = total;
+  release.keep = true;
+  return {maxima, offsets};
+}
+
+void fused_step_cpu_apply(CpuWorkspace& ws, at::TensorList steps, const at::Tensor& maxima) {
+  TORCH_CHECK(ws.pending, "qconf StepPlan.apply: no pending reduce() (apply() completes the step that the last "
+              "reduce() of this plan started, once)");
+  TORCH_CHECK(maxima.scalar_type() == at::kFloat && maxima.device().is_cpu() && maxima.dim() == 1 &&
+                  maxima.numel() == ws.pending_maxima,
+              "qconf StepPlan.apply: maxima must be a 1-D float32 CPU tensor of ", ws.pending_maxima,
+              " elements (as reduce() returned it), got ", maxima.scalar_type(), " of shape ", maxima.sizes(),
+              " on ", maxima.device());
+  const at::Tensor mx_t = maxima.contiguous();
+  const float* mx = mx_t.data_ptr<float>();
+  for (int64_t j = 0; j < ws.pending_maxima; ++j)
+    TORCH_CHECK(f32_bits(mx[j]) < 0x7f800000u, "qconf StepPlan.apply: maxima must be finite and >= +0; entry ", j,
+                " is ", mx[j]);
+  host::CallDescs& call = ws.call;
+  ReleaseGrads release{call};
+  ws.pending = false;
+  std::vector<TensorDesc>& descs = call.descs;
+  const int64_t T = static_cast<int64_t>(descs.size());
+
+  // new scales and reciprocals as a plain step makes them from its own maxima
+  const float* next = mx;
+  for_each_two_pass(descs, [&](int64_t, int, StateDesc& st) {
+    for (int64_t j = 0; j < st.num_scales; ++j)
+      finalize_scale_bits(f32_bits(next[j]), j, st.new_recip, st.new_recip + st.num_scales);
+    next += st.num_scales;
+  });
+
+  // the apply pass of every tensor, two-pass and single-pass alike (tiles are independent)
+  StepContext ctx;
+  ctx.rule = static_cast<int32_t>(ws.pending_rule);
+  ctx.tensors = descs.data();
+  ctx.max_tile = static_cast<int32_t>(call.max_tile);
+  std::vector<WorkItem>& items = ws.single_items;
+  items.clear();
+  for (int64_t i = 0; i < T; ++i)
+    if (descs[i].numel > 0) append_tiles(descs, i, items);
+  run_phase(isa_function(), ctx, items, kPassApply);
+  for_each_two_pass(descs, [](int64_t, int, StateDesc& st) { store_new_scales(st); });
+  for (int64_t i = 0; i < T; ++i) host::advance_step(steps[i], i);
 }
 
 }  // namespace qconf

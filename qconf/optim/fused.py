@@ -66,6 +66,9 @@ class FusedParam:
             means a factored second moment, ``COMPENSATION`` a Kahan buffer.
         stochastic_weights: a bf16/fp16 parameter receives its update by stochastic rounding.
         first: a lazily created state (SGD's momentum buffer) starts at this step.
+        rng_offset: the index of ``param``'s element 0 in its random streams (>= 0): a shard
+            starting at flat element ``a`` of its global parameter passes ``a`` and draws the same
+            stochastic-rounding bits as elements ``a..`` of the whole parameter.
     """
 
     index: int
@@ -74,6 +77,7 @@ class FusedParam:
     states: Mapping[Slot, torch.Tensor | QTensor]
     stochastic_weights: bool = False
     first: bool = False
+    rng_offset: int = 0
 
 
 @functools.cache
@@ -117,6 +121,38 @@ class GroupPlan:
         """One eager step (the C++ plan reads each parameter's ``.grad``)."""
         self.cpp.run(hyper, seed)
 
+    def reduce(self, hyper_values: list[float], seed: int, grads: Sequence[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """First half of :meth:`run` (CPU plans only), for a caller that combines the new scales
+        across ranks before they are used (FSDP: a state's scales belong to the global parameter).
+
+        Computes the new value of every two-pass quantized state (tensor, dim0/dim1, rank-1
+        scales and blocks too large for one tile) from ``grads`` -- one per parameter, shaped
+        like it (the parameters' ``.grad`` is not read: a local shard has none) -- and reduces
+        their absmax; nothing is written (parameters, states, scales, steps) until :meth:`apply`.
+        ``hyper_values`` are :meth:`FusedStepper.hyper_values`, ``seed`` the optimizer's
+        unsigned 64-bit seed. Factored second moments are refused.
+
+        Returns ``(maxima, offsets)``:
+
+        * ``maxima``: float32 ``[M]``. For each tensor in plan order and within it state 0, state
+          1, Kahan buffer: that state's ``num_scales`` values ``max |x|`` over the finite new
+          values of each scale's elements, *before* the ``FLT_MIN`` floor of stored scales (an
+          all-reduce with ``MAX`` combines them across ranks).
+        * ``offsets``: int64 ``[T, 3]``: where tensor i's state 0 / state 1 / Kahan buffer start
+          in ``maxima``; -1 where that state is not a two-pass quantized state (fp32, absent,
+          single-pass blocks, the Kahan buffer always, or an empty tensor's states).
+        """
+        return self.cpp.reduce(hyper_values, _signed64(seed), list(grads))
+
+    def apply(self, maxima: torch.Tensor) -> None:
+        """Second half of :meth:`run`: completes the step the last :meth:`reduce` started, with
+        ``maxima`` in its layout (float32, finite, >= 0; e.g. all-reduced with ``MAX``). Each new
+        scale is ``max(m, FLT_MIN)`` for ``m > 0`` (0 stays 0), the states are quantized with
+        those scales, the parameters written and the steps incremented; unchanged ``maxima`` give
+        exactly :meth:`run`'s results. The plan's tensors must not change in between."""
+        self.cpp.apply(maxima)
+
     def op_tensors(self) -> list[torch.Tensor]:
         """Every tensor of ``qconf::fused_step`` in one list, as :meth:`FusedStepper.traced_step`
         reads it: params, their current gradients, steps, states, then meta and tables."""
@@ -133,6 +169,7 @@ def _describe_param(lay: Mapping[str, int], fp: FusedParam, tables: dict[Codec, 
     row[lay["meta.ndim"]] = p.dim()
     row[lay["meta.shape"]:lay["meta.shape"] + p.dim()] = list(p.shape)
     row[lay["meta.first"]] = int(fp.first)
+    row[lay["meta.rng_offset"]] = fp.rng_offset
     for slot, value in fp.states.items():
         if slot in (Slot.ROW, Slot.COL):  # fp32 statistics, no meta columns of their own
             row[lay["meta.factored"]] = 1

@@ -153,8 +153,12 @@ QCONF_HD uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The keys of one random stream, and `offset`: the stream index of the tensor's element 0 (a
+// shard's start in its global parameter, so that a shard draws the bits of its global elements;
+// 0 for a whole tensor). Element i of the tensor draws element i + offset of the stream.
 struct StreamKey {
   uint32_t k0, k1;
+  uint64_t offset;
 };
 
 // Keys of the random stream for (seed, step, tensor, stream); same chain as rng.stream_key.
@@ -163,7 +167,7 @@ QCONF_HD StreamKey stream_key(uint64_t seed, uint64_t step, uint64_t tensor, uin
   h = splitmix64(h ^ step);
   h = splitmix64(h ^ tensor);
   h = splitmix64(h ^ stream);
-  return StreamKey{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32)};
+  return StreamKey{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32), 0};
 }
 
 // "lowbias32" integer hash (T = uint32_t or a vector of uint32 lanes).
@@ -176,8 +180,9 @@ QCONF_HD U mix32(U x) {
   return x ^ (x >> 16);
 }
 
-// 32 random bits for element i of a stream.
+// 32 random bits for element i of a tensor: element i + k.offset of its stream.
 QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) {
+  i += k.offset;
   const uint32_t h = mix32<uint32_t>(static_cast<uint32_t>(i) ^ k.k0);
   return mix32<uint32_t>(h ^ (static_cast<uint32_t>(i >> 32) + k.k1));
 }
@@ -236,18 +241,30 @@ QCONF_HD float finite_square(float g) {
   return s <= 3.40282347e+38f ? s : 0.0f;  // FLT_MAX; false for NaN
 }
 
-// Two-pass states: stored scale j and its reciprocal from the absmax bits reduced into `parts`
-// partial arrays of `num_scales` each (the CPU's threads; the CUDA kernels reduce into one).
-QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int parts, int64_t j, float* recip,
-                             float* scale) {
+// Two-pass states: the absmax bits of scale j, the max over `parts` partial arrays of
+// `num_scales` each (the CPU's threads; the CUDA kernels reduce into one).
+QCONF_HD uint32_t combine_partials(const uint32_t* partial, int64_t num_scales, int parts, int64_t j) {
   uint32_t m = 0;
   for (int k = 0; k < parts; ++k) {
     const uint32_t b = partial[k * num_scales + j];
     m = b > m ? b : m;
   }
+  return m;
+}
+
+// Stored scale j and its reciprocal from the absmax bits `m` of its block's finite new values
+// (the FLT_MIN floor of scale_from_absmax_bits is applied here). The split CPU step
+// (fused_step_cpu_reduce / _apply) calls it with maxima that may have been combined across ranks.
+QCONF_HD void finalize_scale_bits(uint32_t m, int64_t j, float* recip, float* scale) {
   const float s = scale_from_absmax_bits(m);
   recip[j] = qdiv(1.0f, s);
   scale[j] = s;
+}
+
+// Two-pass states: stored scale j and its reciprocal from the threads' partial absmax bits.
+QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int parts, int64_t j, float* recip,
+                             float* scale) {
+  finalize_scale_bits(combine_partials(partial, num_scales, parts, j), j, recip, scale);
 }
 
 // ---------------------------------------------------------------------------------------------

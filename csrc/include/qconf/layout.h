@@ -58,7 +58,8 @@ constexpr int kMetaState0 = kMetaShape + kMaxDims;   // exp_avg (SGD: momentum_b
 constexpr int kMetaState1 = kMetaState0 + kStateCols;  // exp_avg_sq
 constexpr int kMetaWeights = kMetaState1 + kStateCols;  // kWeights* bits: how bf16/fp16 params are written
 constexpr int kMetaComp = kMetaWeights + 1;  // the Kahan buffer, a state block: kParamDtype or kQuant
-constexpr int kMetaCols = kMetaComp + kStateCols;
+constexpr int kMetaRngOffset = kMetaComp + kStateCols;  // element 0's index in the random streams (>= 0)
+constexpr int kMetaCols = kMetaRngOffset + 1;
 
 // bits of the kMetaWeights column
 constexpr int kWeightsStochastic = 1;  // stochastic rounding into the parameter
@@ -164,6 +165,7 @@ constexpr LayoutEntry kLayout[] = {
     {"meta.state1", kMetaState1},
     {"meta.weights", kMetaWeights},
     {"meta.comp", kMetaComp},
+    {"meta.rng_offset", kMetaRngOffset},
     {"meta.cols", kMetaCols},
     {"state.kind", kStateColKind},
     {"state.table", kStateColTable},

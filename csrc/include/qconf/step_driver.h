@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <tuple>
 
 #include "qconf/layout.h"
 
@@ -22,6 +23,27 @@ std::shared_ptr<CpuWorkspace> make_cpu_workspace();
 void fused_step_cpu_reusing(CpuWorkspace& ws, int64_t rule, at::TensorList params, at::TensorList grads,
                     at::TensorList steps, at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                     c10::ArrayRef<double> hyper, int64_t seed);
+
+// The same CPU step in two calls, for a caller that combines the new scales' maxima across ranks
+// in between (FSDP: a state's scales belong to the global parameter).
+//   reduce: everything up to the reduce pass, over every tensor at once, with `grads` as given;
+//           nothing is written (parameters, states, scales, steps). Returns (maxima, offsets):
+//           maxima, float32 [M]: per two-pass quantized state (tensors in order, then state 0,
+//           state 1) its num_scales absmax values, each the max |x| over the finite new values of
+//           that scale's elements, before the FLT_MIN floor; offsets, int64 [T, 3]: where tensor
+//           i's state 0 / state 1 / Kahan buffer start in maxima, -1 for states that are not
+//           two-pass quantized (single-pass, fp32, absent, or an empty tensor's). Factored second
+//           moments are refused.
+//   apply:  completes that step with `maxima` (the same layout; finite and >= 0): each scale
+//           becomes scale_from_absmax_bits(maxima) (FLT_MIN floor, element.h), then the apply
+//           pass, the new scales stored and the steps incremented. Unchanged maxima give exactly
+//           the plain step. The tensors (and `ws`) must stay as they are in between.
+std::tuple<at::Tensor, at::Tensor> fused_step_cpu_reduce(CpuWorkspace& ws, int64_t rule, at::TensorList params,
+                                                         at::TensorList grads, at::TensorList steps,
+                                                         at::TensorList states, const at::Tensor& meta,
+                                                         const at::Tensor& tables, c10::ArrayRef<double> hyper,
+                                                         int64_t seed);
+void fused_step_cpu_apply(CpuWorkspace& ws, at::TensorList steps, const at::Tensor& maxima);
 
 #ifdef QCONF_WITH_CUDA
 // The same step for parameters, gradients and states on one CUDA device (csrc/cuda/step.cu);

@@ -137,10 +137,13 @@ struct CallContext {
                 device_name);
   }
   // the random stream `stream` of parameter i at this step: 0, 1 its states, 2 its own stochastic
-  // rounding, 3 its quantized Kahan buffer (qconf/codec/rng.py)
+  // rounding, 3 its quantized Kahan buffer (qconf/codec/rng.py); its element 0 draws stream
+  // element m[kMetaRngOffset] (checked >= 0 in describe_param)
   StreamKey key(const int64_t* m, double step, uint64_t stream) const {
-    return stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step), static_cast<uint64_t>(m[kMetaIndex]),
-                      stream);
+    StreamKey k = stream_key(static_cast<uint64_t>(seed), static_cast<uint64_t>(step),
+                             static_cast<uint64_t>(m[kMetaIndex]), stream);
+    k.offset = static_cast<uint64_t>(m[kMetaRngOffset]);
+    return k;
   }
 };
 
@@ -186,6 +189,7 @@ inline void describe_param(const CallContext& cx, int64_t i, const at::Tensor& p
   TORCH_CHECK(p.is_contiguous(), "qconf fused_step: parameter ", i, " must be contiguous");
   TORCH_CHECK(g.numel() == p.numel(), "qconf fused_step: gradient ", i, " has ", g.numel(), " elements, the parameter ", p.numel());
   t.numel = p.numel();
+  TORCH_CHECK(m[kMetaRngOffset] >= 0, "qconf fused_step: meta rng_offset of parameter ", i, " is negative");
   t.ndim = static_cast<int32_t>(m[kMetaNdim]);
   TORCH_CHECK(t.ndim == p.dim() && t.ndim <= kMaxDims, "qconf fused_step: meta ndim of parameter ", i, " is wrong");
   for (int d = 0; d < t.ndim; ++d) {
@@ -198,13 +202,15 @@ inline void describe_param(const CallContext& cx, int64_t i, const at::Tensor& p
   t.gdtype = dtype_code(g, "gradient", i);
 }
 
-// Increments parameter i's step counter; returns the new step.
-inline double advance_step(const at::Tensor& step, int64_t i) {
+// Parameter i's step at this step (its counter + 1), written to the counter if `advance` (the
+// split CPU step reads it in reduce() and writes it in apply()).
+inline double advance_step(const at::Tensor& step, int64_t i, bool advance = true) {
   TORCH_CHECK(step.scalar_type() == at::kFloat && step.numel() == 1 && step.device().is_cpu(),
               "qconf fused_step: step ", i, " must be a one-element float32 CPU tensor");
   float* step_ptr = static_cast<float*>(step.data_ptr());
-  *step_ptr += 1.0f;
-  return static_cast<double>(*step_ptr);
+  const float next = *step_ptr + 1.0f;
+  if (advance) *step_ptr = next;
+  return static_cast<double>(next);
 }
 
 // One Scalars per distinct (step, first) (usually one per call): std::pow is not free either.
@@ -354,7 +360,8 @@ inline void prefetch_param(const CallContext& cx, at::TensorList params, at::Ten
   for (int s = 0; s < kSlotLen; ++s) prefetch_meta(cx.state(j, s), deep);
 }
 
-// Builds one TensorDesc per parameter from `meta` (and increments every step counter). `tab` is
+// Builds one TensorDesc per parameter from `meta` (and increments every step counter unless
+// `advance_steps` is false: the descriptions then hold the next step all the same). `tab` is
 // the address of `tables`' data as the kernels will read it (host or device memory), `ntab` the
 // number of tables. Parameters, gradients and states must be on `device`; `where` names the
 // driver in messages ("CPU", "CUDA"). Scratch pointers (partial, new_recip, row_sum, ...) are left
@@ -362,7 +369,7 @@ inline void prefetch_param(const CallContext& cx, at::TensorList params, at::Ten
 inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
                              at::TensorList states, const at::Tensor& meta, const float* tab, int64_t ntab,
                              c10::ArrayRef<double> hyper, int64_t seed, const at::Device& device,
-                             const char* where, CallDescs& out) {
+                             const char* where, CallDescs& out, bool advance_steps = true) {
   const int64_t T = static_cast<int64_t>(params.size());
   TORCH_CHECK(meta.device().is_cpu(), "qconf fused_step: meta must be a CPU tensor");
   const int64_t* M = meta.data_ptr<int64_t>();
@@ -379,7 +386,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     const int64_t* m = M + i * kMetaCols;
     TensorDesc& t = out.descs[i];
     describe_param(cx, i, params[i], grads[i], m, out.grad_storage[i], t);
-    const double step = advance_step(steps[i], i);
+    const double step = advance_step(steps[i], i, advance_steps);
     t.h = scalars.get(rule, hyper, step, m[kMetaFirst] != 0);
     t.factored = static_cast<int32_t>(m[kMetaFactored]);
     const int64_t unit = describe_states(cx, i, m, step, t);
@@ -402,6 +409,11 @@ struct CpuWorkspace {
   std::vector<uint32_t> scratch_u;
   std::vector<WorkItem> factor_items, single_items, batch_items;
   std::vector<int64_t> batch;
+  // the split step (fused_step_cpu_reduce / _apply): `call` and the scratch hold a step whose
+  // reduce pass has run, until apply() completes it (or a plain step replaces it)
+  bool pending = false;
+  int64_t pending_rule = 0;
+  int64_t pending_maxima = 0;  // numel of the maxima apply() takes
 };
 
 }  // namespace qconf

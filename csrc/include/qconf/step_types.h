@@ -119,7 +119,7 @@ struct StateDesc {
   float* scales = nullptr;  // kQuant: stored scales (old during the step)
   int64_t num_scales = 0;
   CodecDesc codec;
-  StreamKey key{0, 0};      // stochastic rounding stream of this state at this step
+  StreamKey key{0, 0, 0};   // stochastic rounding stream of this state at this step
   const float* noise = nullptr;  // if set: the uniforms for stochastic rounding, one per element
   // two-pass scratch (driver-owned)
   uint32_t* partial = nullptr;  // per-thread absmax bits, `num_scales` per thread
@@ -139,7 +139,7 @@ struct TensorDesc {
   // how the new fp32 parameter is written to a bf16/fp16 parameter (qconf/optim/weights.py)
   int32_t w_stochastic = 0;  // stochastic rounding, random bits from `pkey`
   int32_t w_kahan = 0;       // Kahan compensation with the buffer `comp`
-  StreamKey pkey{0, 0};
+  StreamKey pkey{0, 0, 0};
   StateDesc comp;            // kParamDtype or kQuant (group blocks within a tile)
   int64_t tile = 0;      // elements per work item (a multiple of 64, or whole rows when factored)
   int32_t two_pass = 0;  // some state needs pass 1

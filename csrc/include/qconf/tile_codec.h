@@ -299,12 +299,14 @@ inline I search_stochastic(const CodecDesc& c, const SearchTables& tb, F n, F u)
   return Isa::select_i(nan, I(0u), code);
 }
 
-// the 32 random bits of elements first .. first+W-1 of a stream
+// the 32 random bits of elements first .. first+W-1 of a tensor (hash_bits: stream elements
+// first + k.offset ..)
 inline I hash_vec(StreamKey k, uint64_t first) {
   if constexpr (W == 1) {
     return hash_bits(k, first);
   } else {
-    const uint32_t lo = static_cast<uint32_t>(first);
+    const uint64_t e = first + k.offset;
+    const uint32_t lo = static_cast<uint32_t>(e);
     if (lo > 0xFFFFFFFFu - (W - 1)) {  // the lanes cross a 2^32 boundary: per-lane scalar
       alignas(64) uint32_t tmp[W];
       for (int j = 0; j < W; ++j) tmp[j] = hash_bits(k, first + j);
@@ -312,7 +314,7 @@ inline I hash_vec(StreamKey k, uint64_t first) {
     }
     const I idx = Isa::iota() + I(lo);
     const I h = mix32<I>(idx ^ I(k.k0));
-    return mix32<I>(h ^ I(static_cast<uint32_t>(first >> 32) + k.k1));
+    return mix32<I>(h ^ I(static_cast<uint32_t>(e >> 32) + k.k1));
   }
 }
 
