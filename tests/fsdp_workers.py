@@ -21,12 +21,28 @@ QCONFIG = {
     "states": {"exp_avg": {"bits": 4, "scale": "group", "group_size": 128},
                "exp_avg_sq": {"bits": 4, "map": "power-1", "signed": False, "scale": "rank1"}},
     "overrides": [{"match": "head.weight", "enable": True},
-                  {"match": "mlp.0.weight", "states": {"exp_avg": {"bits": 8, "group_size": 64}}}],
+                  {"match": "block.mlp.0.weight", "states": {"exp_avg": {"bits": 8, "group_size": 64}}}],
 }
 #: stochastic rounding of states and bf16-free weights: draws by global element index
 QCONFIG_SR = {**QCONFIG, "states": {"exp_avg": {"bits": 4, "scale": "group", "rounding": "stochastic"},
                                     "exp_avg_sq": {"bits": 4, "map": "power-1", "signed": False, "scale": "dim1",
                                                    "rounding": "stochastic"}}}
+
+#: group blocks of 16 elements, on which every shard boundary of the model falls (mlp: 3600, head:
+#: 1488 elements), so the fused kernel steps every shard; rank-1 scales are shared by both ranks
+QCONFIG_ALIGNED = {**QCONFIG,
+                   "states": {"exp_avg": {"bits": 4, "scale": "group", "group_size": 16, "rounding": "stochastic"},
+                              "exp_avg_sq": {"bits": 4, "map": "power-1", "signed": False, "scale": "rank1",
+                                             "rounding": "stochastic"}},
+                   "overrides": [{"match": "head.weight", "enable": True},
+                                 {"match": "block.mlp.0.weight", "states": {"exp_avg": {"bits": 8}}}]}
+#: bf16 weights: stochastic rounding of the updates, or Kahan compensation buffers
+QCONFIG_SR_WEIGHTS = {**QCONFIG_ALIGNED, "weights": {"rounding": "stochastic"}}
+QCONFIG_KAHAN = {**QCONFIG, "weights": {"compensation": "kahan"}}
+#: tensor scales, shared by the ranks: those states take the reference path (fused=None)
+QCONFIG_TENSOR = {**QCONFIG_ALIGNED, "states": {**QCONFIG_ALIGNED["states"],
+                                                "exp_avg_sq": {"bits": 4, "map": "power-1", "signed": False,
+                                                               "scale": "tensor"}}}
 
 
 class Block(torch.nn.Module):
@@ -56,9 +72,9 @@ class Model(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def make_model() -> Model:
+def make_model(dtype: torch.dtype = torch.float32) -> Model:
     torch.manual_seed(0)
-    return Model()
+    return Model().to(dtype)
 
 
 def batch(step: int, rank: int = 0, world: int = 1, size: int = 8) -> torch.Tensor:
@@ -133,7 +149,7 @@ def step_with_grads(opt: qo.AdamW, model: torch.nn.Module, steps: int) -> None:
     for s in range(steps):
         grads = global_grads(s, model)
         for n, p in model.named_parameters():
-            g = grads[n]
+            g = grads[n].to(p.dtype)
             if isinstance(p, DTensor):
                 rows = p.to_local().shape[0]
                 start = dist.get_rank() * -(-p.shape[0] // dist.get_world_size())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fsdp_workers as W
+from qconf._native import fused_available as native_fused
 from dist_harness import spawn
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
@@ -22,9 +23,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 TRAINED_MEAN_RTOL, TRAINED_MAX_RTOL, TRAINED_LOSS_RTOL = 1e-3, 5e-2, 1e-4
 
 
-def _invariance_rank(rank: int, world: int, qconfig: dict) -> dict:
-    model = W.shard(W.make_model(), world)
-    opt = W.make_optimizer(model, qconfig)
+def _invariance_rank(rank: int, world: int, qconfig: dict, fused: bool | None, dtype: torch.dtype) -> dict:
+    model = W.shard(W.make_model(dtype), world)
+    opt = W.make_optimizer(model, qconfig, fused)
     W.step_with_grads(opt, model, 20)
     from qconf import memory_report
 
@@ -34,11 +35,23 @@ def _invariance_rank(rank: int, world: int, qconfig: dict) -> dict:
             "memory": (report.numel, report.total_bytes, report.fp32_bytes, report.whole_model)}
 
 
-@pytest.mark.parametrize("qconfig", [W.QCONFIG, W.QCONFIG_SR], ids=["rank1-nearest", "dim1-stochastic"])
-def test_sharded_states_equal_the_unsharded_run_bit_for_bit(qconfig):
-    ranks = spawn(_invariance_rank, 2, qconfig)
-    model = W.make_model()
-    opt = W.make_optimizer(model, qconfig)
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("qconfig, fused, dtype", [
+    (W.QCONFIG, None, torch.float32), (W.QCONFIG_SR, None, torch.float32), (W.QCONFIG_ALIGNED, True, torch.float32),
+    (W.QCONFIG_TENSOR, None, torch.float32), (W.QCONFIG_SR_WEIGHTS, True, BF16), (W.QCONFIG_KAHAN, None, BF16)],
+    ids=["rank1-nearest-mixed", "dim1-stochastic-mixed", "rank1-stochastic-fused", "tensor-mixed",
+         "bf16-sr-weights-fused", "bf16-kahan-mixed"])
+def test_sharded_states_equal_the_unsharded_run_bit_for_bit(qconfig, fused, dtype):
+    """Mixed: the fused kernel steps the shards whose group blocks align with the shard
+    boundaries, the reference path the others (fused=None falls back per parameter); fused=True:
+    every shard is fused (the blocks align), so the split kernel's maxima feed the all-reduce."""
+    if fused and not native_fused():
+        pytest.skip("qconf._C is not built")
+    ranks = spawn(_invariance_rank, 2, qconfig, fused, dtype)
+    model = W.make_model(dtype)
+    opt = W.make_optimizer(model, qconfig, fused)
     W.step_with_grads(opt, model, 20)
     want = W.unsharded_states(opt, model)
     kinds = {v[0] for entry in want.values() for key, v in entry.items() if key != "step"}
@@ -171,7 +184,7 @@ def _bad_checkpoint_rank(rank: int, world: int) -> list[str]:
             errors.append(str(e))
     after = W.full_states(opt, model)
     unchanged = all(_same_state(before[n][k], after[n][k]) for n in before for k in before[n])
-    try:  # fused=True promises the native kernel or an error; it does not run on shards yet
+    try:  # fused=True promises the native kernel or an error: QCONFIG's group blocks straddle shards
         W.step_with_grads(W.make_optimizer(model, W.QCONFIG, fused=True), model, 1)
     except RuntimeError as e:
         errors.append(str(e))
@@ -188,4 +201,5 @@ def test_a_bad_distributed_checkpoint_is_refused_on_every_rank_and_changes_nothi
         assert len(report) == 4, report
         assert "scales" in report[0] or "another rank" in report[0], report[0]
         assert "shape" in report[1], report[1]
-        assert "fused=True" in report[2] and "fused=None" in report[2], report[2]
+        assert "fused=True" in report[2] and "block.mlp.0.weight" in report[2], report[2]
+        assert "shard boundary inside a 64-element block" in report[2], report[2]

@@ -73,7 +73,12 @@ def _absmax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max|a| over the finite elements (NaN and +-Inf count as 0, so the result is finite); a
     nonzero maximum below FLT_MIN is raised to FLT_MIN."""
     a = torch.where(torch.isfinite(a), a.abs(), torch.zeros_like(a))
-    m = a.amax() if dim is None else a.amax(dim=dim)
+    return floor_scales(a.amax() if dim is None else a.amax(dim=dim))
+
+
+def floor_scales(m: torch.Tensor) -> torch.Tensor:
+    """fp32 maxima ``m`` (>= 0) as stored scales: a nonzero value below FLT_MIN becomes FLT_MIN
+    (so that ``1/scale`` is finite); 0 stays 0. Monotone, so it commutes with a max over ranks."""
     return torch.where((m > 0) & (m < FLT_MIN), torch.full_like(m, FLT_MIN), m)
 
 

@@ -28,7 +28,8 @@ from . import weights as wts
 from .fused import CompiledFusedSteps, FusedParam, FusedStepper, unfusable_reason
 from .params import NamedParams, compute_dtype, real_view
 from .reference import ReferenceSteps
-from .sharded import ShardedSteps, finish_encodes, is_sharded, shard_geometry
+from .sharded import finish_encodes, is_sharded, shard_geometry
+from .sharded_step import ShardedSteps
 from .sharded_state import agree, export_states
 from .spec import Hyper, Slot, StateSpec
 from .states import convert_state, zero_state
@@ -321,17 +322,19 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            reason = unfusable_reason(p)
+            reason = unfusable_reason(p.to_local() if is_sharded(p) else p)
             if reason is not None:
                 raise RuntimeError(f"{type(self).__name__}(fused=True): {self._describe(index[id(p)])} has {reason}")
             new[index[id(p)]] = self._ensure_state(p, index[id(p)], group)
         out = []
         for p in params:
             i = index[id(p)]
-            state, plan = self.state[p], self.plan(i)
-            out.append(FusedParam(i, p, state["step"], {s.slot: state[s.key] for s in self._specs(group, p, plan)},
+            state, plan, geo = self.state[p], self.plan(i), shard_geometry(p)
+            out.append(FusedParam(i, p if geo is None else p.to_local(), state["step"],
+                                  {s.slot: state[s.key] for s in self._specs(group, p, plan)},
                                   stochastic_weights=plan.weights.rounding == "stochastic",
-                                  first=any(k in new[i] for k in self.lazy_states)))
+                                  first=any(k in new[i] for k in self.lazy_states),
+                                  rng_offset=0 if geo is None else geo.offset))
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------

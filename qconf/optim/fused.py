@@ -213,12 +213,12 @@ class FusedStepper:
     def __init__(self, rule: str):
         self._rule = layout()[f"rule.{rule}"]
         self._order = _hyper_order()  # read here, eagerly: a traced step must not call into layout()
-        self._plans: dict[int, tuple[Hashable, GroupPlan]] = {}
+        self._plans: dict[Hashable, tuple[Hashable, GroupPlan]] = {}
         #: part of every plan's key; a compiled step that started a lazy state bumps it (a graph
         #: cannot drop its one-shot plan the way an eager step does)
         self.generation = 0
 
-    def plan(self, group_id: int, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]]
+    def plan(self, group_id: Hashable, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]]
              ) -> GroupPlan:
         """The plan of group ``group_id``. ``key()`` identifies the group's layout: while it is
         unchanged the cached plan is returned, otherwise ``describe()`` (which may create states)
@@ -239,6 +239,17 @@ class FusedStepper:
         if plan.one_shot:
             self._plans.pop(group_id, None)
         plan.run(self.hyper_values(hyper), _signed64(seed))
+
+    def reduce(self, group_id: Hashable, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]],
+               hyper: Hyper, seed: int, grads: Sequence[torch.Tensor]) -> tuple[GroupPlan, torch.Tensor, torch.Tensor]:
+        """The first half of a split step (:meth:`GroupPlan.reduce`) of the plan ``group_id`` (see
+        :meth:`plan`); returns the plan, whose :meth:`GroupPlan.apply` completes the step, and the
+        ``(maxima, offsets)`` of its two-pass states."""
+        plan = self.plan(group_id, key, describe)
+        if plan.one_shot:
+            self._plans.pop(group_id, None)
+        maxima, offsets = plan.reduce(self.hyper_values(hyper), seed, grads)
+        return plan, maxima, offsets
 
     def hyper_values(self, hyper: Hyper) -> list[float]:
         """``hyper`` as the kernel's positional ``float[] hyper`` argument."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import Codec, QTensor
-from ..codec.scales import compute_scales
+from ..codec.scales import compute_scales, floor_scales
 
 try:
     from torch.distributed.tensor import DTensor
@@ -38,7 +38,7 @@ except ImportError:  # a torch without distributed support
     DTensor = None
 
 __all__ = ["ShardGeometry", "ShardView", "PendingEncode", "shard_geometry", "combine_scales", "finish_encodes",
-           "ShardedSteps", "is_sharded"]
+           "store_encodes", "is_sharded"]
 
 
 def is_sharded(p: torch.Tensor) -> bool:
@@ -206,13 +206,12 @@ def combine_scales(items: list[tuple[ShardGeometry, Codec, torch.Tensor]]) -> No
     with the same states in the same order (the buffer layout depends on global shapes only)."""
     groups: dict[int, tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
     for geo, codec, scales in items:
-        shared = geo.shared_positions(codec)
-        if geo.group is None or shared.numel() == 0:
+        if geo.group is None:
             continue
-        pos = geo.scale_positions(codec)
-        mask = torch.isin(pos, shared)
-        where = torch.searchsorted(shared, pos[mask])
-        segment = torch.zeros(shared.numel(), dtype=torch.float32)
+        count, mask, where = _share_index(geo, codec)
+        if count == 0:
+            continue
+        segment = torch.zeros(count, dtype=torch.float32)
         segment[where] = scales[mask].cpu()
         groups.setdefault(id(geo.group), (geo.group, []))[1].append((segment, scales, mask, where))
     for pg, parts in groups.values():
@@ -224,34 +223,23 @@ def combine_scales(items: list[tuple[ShardGeometry, Codec, torch.Tensor]]) -> No
             start += segment.numel()
 
 
+@functools.lru_cache(maxsize=4096)
+def _share_index(geo: ShardGeometry, codec: Codec) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(number of shared scales, which of the shard's scales are shared (bool mask), and the
+    position of each of those among the shared ones)."""
+    shared, pos = geo.shared_positions(codec), geo.scale_positions(codec)
+    mask = torch.isin(pos, shared)
+    return shared.numel(), mask, torch.searchsorted(shared, pos[mask])
+
+
 def finish_encodes(pending: list[PendingEncode]) -> None:
     """Combine the pending states' shared scales across ranks and store their new QTensors."""
     combine_scales([(e.geometry, e.codec, e.scales) for e in pending])
+    store_encodes(pending)
+
+
+def store_encodes(pending: list[PendingEncode]) -> None:
+    """Store the pending states' new QTensors once their shared scales are combined. The floor
+    is applied again: a rank's partial maxima may come unfloored from the fused kernel."""
     for e in pending:
-        e.state[e.key] = e.codec.encode(e.values, noise=e.noise, scales=e.scales)
-
-
-class ShardedSteps:
-    """The step of param groups with sharded parameters, a mixin of
-    :class:`~qconf.optim.base.QOptimizer` (it uses ``_ensure_state``, ``_reference_step`` and the
-    index). Every rank steps its shards; one all-reduce per step completes the shared scales."""
-
-    def _sharded_step(self, groups: list[dict[str, Any]]) -> None:
-        """One step of every parameter with a gradient in ``groups`` (plain ones included), on the
-        reference path (``fused=True`` is an error; the fused kernel does not run on shards yet)."""
-        if self._fused:
-            raise RuntimeError(f"{type(self).__name__}(fused=True): sharded (DTensor) parameters take the "
-                               "reference step on their local shard; the fused kernel does not run on them yet. "
-                               "Pass fused=None (docs/distributed.md)")
-        index = self._param_index()
-        pending: list[PendingEncode] = []
-        for group in groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                i = index[id(p)]
-                new = self._ensure_state(p, i, group)
-                geo = shard_geometry(p)
-                view = None if geo is None else ShardView(p.to_local(), p.grad.to_local(), geo)
-                pending += self._reference_step(p, i, group, new, view)
-        finish_encodes(pending)
+        e.state[e.key] = e.codec.encode(e.values, noise=e.noise, scales=floor_scales(e.scales))
