@@ -225,7 +225,7 @@ class Codec:
             return QTensor(codes, scales, torch.Size(x32.shape), self)
         if self.rounding == "nearest-even":
             levels, scales = self.encode_integers(x32, scales=scales)
-            codes = levels.reshape(-1).to(torch.int64) + self._mrq  # code of level k is k + MRQ
+            codes = levels.reshape(-1).to(torch.int16) + self._mrq  # code of level k is k + MRQ (< 256)
             return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
         n, scales = self.normalize(x32, scales)
         codes = self.quantize(n, noise)
