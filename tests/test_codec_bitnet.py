@@ -15,6 +15,7 @@ import torch
 
 from qconf import Codec, QTensor
 from qconf.codec import integer, native, packing
+from qconf.codec.scales import expand_scales
 from qconf.config import load_config
 from qconf.errors import QConfigError
 
@@ -90,14 +91,10 @@ def test_all_zeros_store_min_scale_and_decode_to_zeros():
 
 
 def test_zero_blocks_without_floor_decode_to_exact_zeros():
-    for codec in (dataclass_replace(W, min_scale=0.0), dataclass_replace(A, min_scale=0.0)):
+    for codec in (Codec(**{**W.to_dict(), "min_scale": 0.0}), Codec(**{**A.to_dict(), "min_scale": 0.0})):
         levels, scales = codec.encode_integers(torch.zeros(3, 4))
         assert not scales.any() and not levels.any()  # 0 * (MRQ / 0) = NaN -> level 0
         assert torch.equal(codec.decode_integers(levels, scales), torch.zeros(3, 4))
-
-
-def dataclass_replace(codec, **kw):
-    return Codec(**{**codec.to_dict(), **kw})
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -255,7 +252,6 @@ def test_nearest_even_on_other_scale_types_is_the_elementwise_formula():
         levels, scales = c.encode_integers(x)
         s = Codec(bits=4, map="linear", scale=scale, group_size=7).encode(x).scales  # same absmax scales
         assert torch.equal(scales, s)
-        from qconf.codec.scales import expand_scales
         f = 7.0 / expand_scales(scales, tuple(x.shape), scale, 7)  # torch's 7.0 / s: reciprocal() * 7
         assert torch.equal(levels.float(), (x * f).round().clamp(-7, 7)), scale
         assert _same(c.decode_integers(levels, scales), levels.float() / f)
