@@ -130,8 +130,14 @@ class Codec:
         return self._midpoints.clone()
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-data description (for checkpoints); ``Codec(**d)`` rebuilds it."""
-        return dataclasses.asdict(self)
+        """Plain-data description (for checkpoints); ``Codec(**d)`` rebuilds it. ``statistic`` and
+        ``min_scale`` appear only when not at their defaults, so that optimizer checkpoints stay
+        readable by qconf versions without them."""
+        d = dataclasses.asdict(self)
+        for name in ("statistic", "min_scale"):
+            if d[name] == _FIELD_DEFAULTS[name]:
+                del d[name]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Codec":
@@ -287,6 +293,7 @@ class Codec:
         return integer.levels_to_values(levels, f)
 
 
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Codec)}
 BACKENDS = ("reference", "native")
 
 

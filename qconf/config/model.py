@@ -15,7 +15,7 @@ from ..codec import Codec
 from ..errors import QConfigError
 from .frozen import FrozenDict
 from .rules import (BAD, OVERRIDE_KEYS, OVERRIDE_STATE_FIELDS, STATE_FIELDS, STATE_NAMES, TOP_FIELDS, WEIGHTS_FIELDS,
-                    Reporter, check_override, check_section, check_value, compile_match, join, kind,
+                    Reporter, check_override, check_section, check_value, combo_allowed, compile_match, join, kind,
                     state_combo_problem, unknown_key)
 
 __all__ = ["StateConfig", "WeightsConfig", "Override", "QConfig", "DEFAULT_STATES", "STATE_NAMES", "make_codec"]
@@ -57,7 +57,7 @@ class StateConfig:
         if not rep.problems:
             msg = state_combo_problem(self.bits, self.map, self.signed)
             if msg:
-                rep.add("bits", self.bits, msg, "bits 2..8, or signed: false")
+                rep.add("bits", self.bits, msg, combo_allowed(self.map))
         rep.raise_if_any()
 
     def codec(self) -> Codec:
@@ -201,7 +201,7 @@ class QConfig:
                     msg = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
                     if msg:
                         rep.add(f"overrides[{i}].states.{name}", dict(fields),
-                                msg + f" (combined with states.{name})", "bits 2..8, or signed: false")
+                                msg + f" (combined with states.{name})", combo_allowed(merged["map"]))
         rep.raise_if_any()
         object.__setattr__(self, "states", states)
         object.__setattr__(self, "weights", weights)

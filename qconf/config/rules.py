@@ -278,9 +278,7 @@ def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
     merged = {**COMPENSATION_CODEC_DEFAULTS, **fields}
     combo = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
     if combo:
-        allowed = "bits: 2 and signed: true for map 'ternary'" if merged["map"] == "ternary" else \
-            "bits >= 2 for a signed linear map"
-        rep.add(path, dict(raw), combo, allowed)
+        rep.add(path, dict(raw), combo, combo_allowed(merged["map"]))
         return BAD
     if merged["scale"] != "group":
         rep.add(join(path, "scale"), merged["scale"], f"{fmt(merged['scale'])} is not supported for the "
@@ -344,6 +342,11 @@ def state_combo_problem(bits: Any, map: Any, signed: Any) -> str | None:
         return (f"map 'ternary' (levels -1, 0, +1 in 2-bit codes) needs bits: 2 and signed: true, got bits: "
                 f"{fmt(bits)}, signed: {fmt(signed)}; for other widths use map 'linear'")
     return None
+
+
+def combo_allowed(map: Any) -> str:
+    """What :func:`state_combo_problem` allows, for a problem's ``allowed`` text."""
+    return "bits: 2 and signed: true for map 'ternary'" if map == "ternary" else "bits 2..8, or signed: false"
 
 
 def check_states(raw: Any, path: str, rep: Reporter, *, fields: Mapping[str, Spec] = STATE_FIELDS
@@ -452,7 +455,7 @@ def check_override(raw: Any, path: str, rep: Reporter) -> dict[str, Any] | None:
             for name, fields in states.items():
                 msg = state_combo_problem(fields.get("bits"), fields.get("map"), fields.get("signed"))
                 if msg:
-                    rep.add(join(p, name), fields, msg, "bits 2..8, or signed: false")
+                    rep.add(join(p, name), fields, msg, combo_allowed(fields.get("map")))
             out[key] = {name: fields for name, fields in states.items() if fields}
         else:  # weights
             out[key] = check_section(value, WEIGHTS_FIELDS, p, rep)
