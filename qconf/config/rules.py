@@ -1,6 +1,6 @@
 """The validation rules of the native qconfig schema: one :class:`Spec` per scalar field, the
-checks of every section (``states``, ``weights``, ``overrides``, codec sections, ``match``
-selectors); the problem reporting they share is :mod:`qconf.config.report` (re-exported here).
+checks of every section (``states``, ``weights``, ``overrides``, ``bitnet``, codec sections,
+``match`` selectors); the problem reporting they share is :mod:`qconf.config.report` (re-exported here).
 
 Each check appends :class:`~qconf.errors.Problem` records (file, key path, bad value, what is
 allowed, did-you-mean) to a :class:`Reporter` and returns the valid part, or :data:`BAD`. The YAML
@@ -22,7 +22,8 @@ from .report import Reporter, as_text, fmt, join, kind, suggest, unknown_key
 
 __all__ = [
     "BAD", "Reporter", "Spec", "join", "fmt", "kind", "suggest", "unknown_key", "check_value", "check_section",
-    "check_states", "check_codec", "check_override", "check_match", "compile_match", "state_combo_problem",
+    "check_states", "check_codec", "check_override", "check_match", "check_selectors", "compile_match",
+    "state_combo_problem",
     "STATE_NAMES", "STATE_FIELDS", "OVERRIDE_STATE_FIELDS", "CODEC_FIELDS", "WEIGHTS_FIELDS", "TOP_FIELDS",
     "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS", "MAX_GROUP_SIZE",
     "MAX_NUMEL", "MAX_NDIM", "MAX_MATCH_CHARS", "as_text",
@@ -52,9 +53,9 @@ BAD = object()  #: what a check returns for an invalid value (after reporting it
 class Spec:
     """The rule for one scalar field: a boolean, a bounded integer, or one of a set of strings."""
 
-    kind: str                       # "bool" | "int" | "enum" | "codec" (a nested codec section)
-    lo: int | None = None
-    hi: int | None = None
+    kind: str                       # "bool" | "int" | "float" | "enum" | "codec" (a nested codec section)
+    lo: int | float | None = None   # | "selectors" (a list of match patterns, at least ``lo`` of them)
+    hi: int | float | None = None
     choices: tuple[str, ...] = ()
     nullable: bool = False
     noun: str = "value"             # enum messages: "'grop' is not a valid scale type"
@@ -70,6 +71,11 @@ class Spec:
                 text = f"integer {self.lo}..{_bound(self.hi)}"
             else:
                 text = f"integer >= {self.lo}"
+        elif self.kind == "float":
+            text = f"a number {self.lo:g}..{self.hi:g}"
+        elif self.kind == "selectors":
+            count = "one or more" if self.lo else "zero or more"
+            text = f"a list of {count} globs or 're:<regex>' patterns on qualified names"
         elif self.kind == "codec":
             text = f"a mapping with keys {', '.join(CODEC_FIELDS)} (scale group)"
         else:
@@ -92,6 +98,10 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
         return None
     if spec.kind == "codec":
         return check_codec(value, path, rep)
+    if spec.kind == "selectors":
+        return check_selectors(spec, value, path, rep)
+    if spec.kind == "float":
+        return _check_float(spec, value, path, rep)
     if spec.kind == "bool":
         if not isinstance(value, bool):
             rep.add(path, value, f"{fmt(value)} is not a boolean", spec.allowed())
@@ -114,6 +124,31 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
         rep.add(path, value, f"{fmt(value)} is not a valid {spec.noun}", spec.allowed(), suggest(value, spec.choices))
         return BAD
     return value
+
+
+def _check_float(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
+    """A real number (an integer too; not a bool) within ``[lo, hi]``, returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = " (YAML reads a number without a dot, such as 1e-5, as text: write 1.0e-5)" \
+            if isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value) else ""
+        rep.add(path, value, f"{fmt(value)} is not a number{hint}", spec.allowed())
+        return BAD
+    if not spec.lo <= value <= spec.hi:  # NaN fails both comparisons
+        rep.add(path, value, f"{as_text(value)} is out of range", spec.allowed())
+        return BAD
+    return float(value)
+
+
+def check_selectors(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
+    """A list of ``match`` patterns (:func:`check_match` each), at least ``spec.lo`` of them; a tuple."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        rep.add(path, value, f"expected a list, got {kind(value)} {fmt(value)}", spec.allowed())
+        return BAD
+    if len(value) < (spec.lo or 0):
+        rep.add(path, value, "empty list (selects nothing)", spec.allowed())
+        return BAD
+    checked = [check_match(v, f"{path}[{i}]", rep) for i, v in enumerate(value)]
+    return BAD if any(c is BAD for c in checked) else tuple(checked)
 
 
 WEIGHT_ROUNDING = ("nearest", "stochastic")
@@ -179,7 +214,7 @@ TOP_FIELDS: Mapping[str, Spec] = FrozenDict({
     "version": Spec("int", 1, 1),
     "min_numel": Spec("int", 0, MAX_NUMEL),
 })
-TOP_KEYS = ("version", "base", "min_numel", "states", "weights", "overrides")
+TOP_KEYS = ("version", "base", "min_numel", "states", "weights", "overrides", "bitnet")
 SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
     "ndim": Spec("int", 0, MAX_NDIM),
     "min_numel": Spec("int", 0, MAX_NUMEL),
@@ -188,7 +223,7 @@ SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
 OVERRIDE_SELECTORS = ("match", "ndim", "min_numel", "max_numel")
 OVERRIDE_ACTIONS = ("enable", "states", "weights")
 OVERRIDE_KEYS = OVERRIDE_SELECTORS + OVERRIDE_ACTIONS
-MATCH_ALLOWED = "an fnmatch glob on the parameter name such as '*.bias', or 're:<regex>'"
+MATCH_ALLOWED = "an fnmatch glob on the qualified name such as '*.bias', or 're:<regex>'"
 #: A ``match`` pattern is compiled to a regex on load (Python's re: ~40 us a character); names are far shorter.
 MAX_MATCH_CHARS = 2000
 
