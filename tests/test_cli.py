@@ -173,7 +173,7 @@ def test_show_bad_config_exit_1(capsys, tmp_path):
     code, out, err = run(capsys, "show", str(f), "--model-shapes", "w=5")
     assert code == 1 and out == ""
     assert err.strip() == (f"{f}: states.exp_avg.map: 'nonlinar' is not a valid map (allowed: nonlinear, "
-                           "nonlinear-nozero, power-1, power-2, power-3, linear, float-point); did you mean "
+                           "nonlinear-nozero, power-1, power-2, power-3, linear, float-point, ternary); did you mean "
                            "'nonlinear'?")
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qconf import _native
-from qconf.codec import MAP_NAMES, SCALE_TYPES, QTensor
+from qconf.codec import MAP_NAMES, SCALE_TYPES, QTensor, packing
 from qconf.optim import SGD, Adam, AdamW, Lion
 
 from helpers import CONFIGS, assert_rel_close
@@ -119,7 +119,8 @@ def test_factored_second_moment_matches_reference(config):
                  exact_params=False)
 
 
-SWEEP = list(itertools.product(SCALE_TYPES, MAP_NAMES, (4, 8), ("nearest", "stochastic")))
+# (ternary is 2-bit signed only: test_ternary_first_moment_matches_reference)
+SWEEP = list(itertools.product(SCALE_TYPES, [m for m in MAP_NAMES if m != "ternary"], (4, 8), ("nearest", "stochastic")))
 
 
 @pytest.mark.parametrize("scale,map,bits,rounding", SWEEP)
@@ -251,6 +252,22 @@ def test_other_widths_are_fused_and_match(bits):
                                       "exp_avg_sq": {"bits": bits, "map": "power-1", "scale": "rank1"}}}
     make = RULES["adamw"](cfg)
     _assert_same(_run(make, SHAPES, torch.float32, 8, False), _run(make, SHAPES, torch.float32, 8, True))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("scale", ["group", "tensor", "dim0", "rank1"])
+def test_ternary_first_moment_matches_reference(scale, rounding):
+    # map ternary (levels -1, 0, +1 in 2-bit codes): the kernel reads its table like any other map's
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": 2, "map": "ternary", "signed": True, "scale": scale,
+                                                  "group_size": 32, "rounding": rounding}}}
+    make = RULES["adamw"](cfg)
+    ref, fus = _run(make, SHAPES, torch.float32, 6, False), _run(make, SHAPES, torch.float32, 6, True)
+    _assert_same(ref, fus)
+    (params, opt) = fus
+    m = opt.state[params[-1]]["exp_avg"]
+    assert m.codec.map == "ternary" and m.codes.numel() == -(-params[-1].numel() // 4)  # 4 codes a byte
+    codes = packing.unpack(m.codes, 2, params[-1].numel())
+    assert set(codes.unique().tolist()) == {0, 1, 2}  # all three levels occur (code 3 never does)
 
 
 @pytest.mark.parametrize("config", ["default.yml", "8bit.yml", "default_5b.yml", "2nd_moment_group_128.yml"])

@@ -73,8 +73,8 @@ def test_non_finite_elements_leave_the_rest_of_their_block_unchanged(map, signed
 def test_nan_takes_the_code_nearest_zero(backend):
     # a signed map's code 0 is its most negative value: NaN must not decode to -scale
     for name in MAP_NAMES:
-        for signed in (True, False):
-            c = Codec(bits=4, map=name, signed=signed, scale="tensor")
+        for signed in (True, False) if name != "ternary" else (True,):  # ternary: 2-bit signed only
+            c = Codec(bits=4 if name != "ternary" else 2, map=name, signed=signed, scale="tensor")
             x = torch.tensor([0.5, math.nan, -0.25 if signed else 0.25])
             y = c.decode(c.encode(x, backend=backend))
             zero = c.decode(c.encode(torch.where(torch.isnan(x), 0.0, x), backend=backend))

@@ -1,8 +1,10 @@
 """``Codec`` and ``QTensor``: the reference (pure torch) quantization path -- the specification.
 
-Encode, for a tensor ``x`` (fp32/bf16/fp16/fp64, any shape, contiguous or not; computed in fp32):
+Encode, for a tensor ``x`` (fp32/bf16/fp16/fp64, any shape, contiguous or not; computed in fp32:
+a bf16/fp16 input is exactly its fp32 value):
 
-1. scales ``s`` by the scale type, over the finite elements only (see :mod:`qconf.codec.scales`);
+1. scales ``s`` by the scale type and statistic (absmax, or absmean), over the finite elements
+   only, floored at ``min_scale`` when it is > 0 (see :mod:`qconf.codec.scales`);
 2. normalize ``n = x * r`` with the fp32 reciprocal ``r = 1 / s`` of each stored scale (for
    ``rank1`` the element's ``r`` is the max of its per-dim reciprocals); a zero scale gives ``n = 0``;
    NaN elements normalize to 0, so they take the code nearest 0;
@@ -16,24 +18,34 @@ Encode, for a tensor ``x`` (fp32/bf16/fp16/fp64, any shape, contiguous or not; c
      ``lo = #{k : qmap[k] <= n} - 1`` (clamped to ``[0, L-2]``) and ``hi = lo + 1`` and round up iff
      ``u < (n - qmap[lo]) / (qmap[hi] - qmap[lo])`` for a uniform ``u`` in [0, 1); unbiased inside
      the range. ``u`` comes from ``generator`` (``torch.rand``) or is passed as ``noise``.
+   * ``nearest-even`` (integer-grid maps only: signed ``linear``, ``ternary``): steps 2-3 are
+     BitNet's ``k = clamp(round_half_even(x * (MRQ / s)), -MRQ, MRQ)`` with torch's fp32
+     ``MRQ / s`` (:mod:`qconf.codec.integer` has the exact operations and the NaN/Inf rules); the
+     code is ``k + MRQ``. :meth:`Codec.encode_integers` returns ``k`` as int8 without packing.
 
 4. pack the codes densely (:mod:`qconf.codec.packing`).
 
-Decode: ``x_hat = qmap[code] * s``, fp32, in x's shape.
+Decode: ``x_hat = qmap[code] * s``, fp32, in x's shape; for ``nearest-even`` codecs
+``x_hat = k / (MRQ / s)`` (BitNet's ``q / scale``; :meth:`Codec.decode_integers`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import torch
 
-from . import native, packing
-from .qmap import MAP_NAMES, create_qmap
-from .scales import SCALE_TYPES, compute_scales, effective_scale, expand_reciprocals, expand_scales, num_scales
+from . import integer, native, packing
+from .qmap import MAP_NAMES, create_qmap, integer_grid_mrq
+from .scales import (ABSMEAN_SCALE_TYPES, FLT_MAX, FLT_MIN, SCALE_TYPES, STATISTICS, compute_scales, effective_scale,
+                     expand_factors, expand_reciprocals, expand_scales, num_scales)
 
+#: Rounding modes of every map (and of the optimizer-state config schema).
 ROUNDING_MODES = ("nearest", "stochastic")
+#: Rounding modes of the integer-grid maps only (signed ``linear``, ``ternary``).
+INTEGER_ROUNDING_MODES = ("nearest-even",)
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -47,7 +59,17 @@ class Codec:
         signed: signed map (values in [-1, 1]) or unsigned ([0, 1]).
         scale: ``tensor`` | ``dim0`` | ``dim1`` | ``group`` | ``rank1``.
         group_size: block length for ``group`` (and for ``rank1`` on 1-D tensors), >= 1.
-        rounding: ``nearest`` | ``stochastic``.
+        rounding: ``nearest`` | ``stochastic`` | ``nearest-even`` (BitNet's rounding; only for the
+            integer-grid maps signed ``linear`` and ``ternary``).
+        statistic: what a scale measures, ``absmax`` | ``absmean`` (``absmean``: scale ``tensor``,
+            ``dim0``, ``dim1`` or ``group``).
+        min_scale: floor of every stored scale, ``max(statistic, min_scale)``; 0 (no floor) or a
+            normal fp32 number (``FLT_MIN``..``FLT_MAX``). BitNet uses 1e-5.
+
+    BitNet b1.58 (docs/bitnet.md): weights ``Codec(bits=2, map="ternary", scale="tensor",
+    statistic="absmean", rounding="nearest-even", min_scale=1e-5)``, activations (rows of a 2-D
+    ``[tokens, features]`` tensor) ``Codec(bits=8, map="linear", scale="dim0",
+    rounding="nearest-even", min_scale=1e-5)``.
     """
 
     bits: int = 4
@@ -56,6 +78,8 @@ class Codec:
     scale: str = "group"
     group_size: int = 128
     rounding: str = "nearest"
+    statistic: str = "absmax"
+    min_scale: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
@@ -68,16 +92,36 @@ class Codec:
             raise ValueError(f"Codec: unknown scale {self.scale!r}; allowed: {', '.join(SCALE_TYPES)}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"Codec: group_size must be a positive integer, got {self.group_size!r}")
-        if self.rounding not in ROUNDING_MODES:
-            raise ValueError(f"Codec: unknown rounding {self.rounding!r}; allowed: {', '.join(ROUNDING_MODES)}")
-        qmap = create_qmap(self.map, self.bits, self.signed)  # raises for signed 1-bit linear
+        self._check_rounding_statistic_floor()
+        qmap = create_qmap(self.map, self.bits, self.signed)  # raises for signed 1-bit linear, ternary not 2-bit
         object.__setattr__(self, "_qmap", qmap)
         object.__setattr__(self, "_midpoints", (qmap[:-1] + qmap[1:]) * 0.5)
+        object.__setattr__(self, "_mrq", integer_grid_mrq(self.map, self.bits, self.signed))
+        if self.rounding in INTEGER_ROUNDING_MODES and self._mrq is None:
+            raise ValueError(f"Codec: rounding {self.rounding!r} needs an integer-grid map -- map 'ternary' (bits=2, "
+                             f"signed=True) or map 'linear' with signed=True -- got map={self.map!r}, "
+                             f"signed={self.signed}")
+
+    def _check_rounding_statistic_floor(self) -> None:
+        """Validate rounding, statistic and min_scale (min_scale is stored as a float)."""
+        allowed = ROUNDING_MODES + INTEGER_ROUNDING_MODES
+        if self.rounding not in allowed:
+            raise ValueError(f"Codec: unknown rounding {self.rounding!r}; allowed: {', '.join(allowed)}")
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"Codec: unknown statistic {self.statistic!r}; allowed: {', '.join(STATISTICS)}")
+        if self.statistic == "absmean" and self.scale not in ABSMEAN_SCALE_TYPES:
+            raise ValueError(f"Codec: statistic 'absmean' supports scale {', '.join(ABSMEAN_SCALE_TYPES)}, not "
+                             f"{self.scale!r} (rank1's min over per-dimension statistics bounds |x| only for absmax)")
+        m = self.min_scale
+        if isinstance(m, bool) or not isinstance(m, numbers.Real) or not (m == 0 or FLT_MIN <= m <= FLT_MAX):
+            raise ValueError(f"Codec: min_scale must be 0 or a number in [{FLT_MIN!r}, {FLT_MAX!r}] (a normal fp32 "
+                             f"value), got {m!r}")
+        object.__setattr__(self, "min_scale", float(m))
 
     # -- description -------------------------------------------------------------------------
     @property
     def qmap(self) -> torch.Tensor:
-        """The sorted fp32 map (``2**bits`` values; ``2**bits - 1`` for signed ``linear``)."""
+        """The sorted fp32 map (``2**bits`` values; ``2**bits - 1`` for signed ``linear``, 3 for ``ternary``)."""
         return self._qmap.clone()
 
     @property
@@ -91,11 +135,14 @@ class Codec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Codec":
+        """Rebuild from :meth:`to_dict`; a dict without ``statistic``/``min_scale`` (written before
+        they existed) gets their defaults, absmax and 0."""
         return cls(**d)
 
     def __repr__(self) -> str:
         return (f"Codec(bits={self.bits}, map={self.map!r}, signed={self.signed}, scale={self.scale!r}, "
-                f"group_size={self.group_size}, rounding={self.rounding!r})")
+                f"group_size={self.group_size}, rounding={self.rounding!r}, statistic={self.statistic!r}, "
+                f"min_scale={self.min_scale!r})")
 
     def num_scales(self, shape: tuple[int, ...] | torch.Size) -> int:
         """Number of fp32 scales stored for a tensor of ``shape``."""
@@ -122,21 +169,29 @@ class Codec:
         when given: a shard of a larger tensor is encoded with the scales of the whole
         (:mod:`qconf.optim.sharded`)."""
         x32 = _as_fp32(x)
-        if scales is None:
-            scales = compute_scales(x32, self.scale, self.group_size)
-        elif scales.dtype != torch.float32 or scales.shape != (self.num_scales(x32.shape),):
-            raise ValueError(f"scales must be 1-D float32 with {self.num_scales(x32.shape)} values for shape "
-                             f"{tuple(x32.shape)}, got {scales.dtype} {tuple(scales.shape)}")
+        scales = self._scales(x32, scales)
         r = expand_reciprocals(scales, tuple(x32.shape), self.scale, self.group_size)
         n = x32 * r
         n = torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)  # r = inf <=> scale 0
         return n, scales
 
+    def _scales(self, x32: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """x32's own stored scales, or the given ``scales`` after checking their dtype and count."""
+        if scales is None:
+            return compute_scales(x32, self.scale, self.group_size, self.statistic, self.min_scale)
+        if scales.dtype != torch.float32 or scales.shape != (self.num_scales(x32.shape),):
+            raise ValueError(f"scales must be 1-D float32 with {self.num_scales(x32.shape)} values for shape "
+                             f"{tuple(x32.shape)}, got {scales.dtype} {tuple(scales.shape)}")
+        return scales
+
     def quantize(self, n: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         """Round normalized fp32 values to int64 codes (same shape); NaN gives code 0 (``normalize``
         never returns NaN). ``noise`` is required for stochastic rounding: uniform [0, 1) values,
-        one per element."""
+        one per element. Not for ``nearest-even``, which rounds ``x * (MRQ / s)``, not ``n``."""
         qmap, mids = self._tables(n.device)
+        if self.rounding == "nearest-even":
+            raise ValueError("rounding 'nearest-even' rounds x * (MRQ / s), not normalized values: use "
+                             "Codec.encode or Codec.encode_integers")
         if self.rounding == "nearest":
             codes = torch.searchsorted(mids, n.contiguous(), right=False)  # #{mid < n}: ties go low
         else:
@@ -168,6 +223,10 @@ class Codec:
         if _check_backend(backend) == "native" and x32.numel() > 0 and scales is None:
             codes, scales = native.encode(self, x32, noise)
             return QTensor(codes, scales, torch.Size(x32.shape), self)
+        if self.rounding == "nearest-even":
+            levels, scales = self.encode_integers(x32, scales=scales)
+            codes = levels.reshape(-1).to(torch.int16) + self._mrq  # code of level k is k + MRQ (< 256)
+            return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
         n, scales = self.normalize(x32, scales)
         codes = self.quantize(n, noise)
         return QTensor(packing.pack(codes, self.bits), scales, torch.Size(x.shape), self)
@@ -185,8 +244,47 @@ class Codec:
         qmap, _ = self._tables(q.codes.device)
         numel = math.prod(q.shape)
         codes = packing.unpack(q.codes, self.bits, numel)
+        if self.rounding == "nearest-even":
+            return self.decode_integers((codes - self._mrq).to(torch.int8).reshape(q.shape), q.scales)
         s = expand_scales(q.scales, tuple(q.shape), self.scale, self.group_size)
         return qmap[codes].reshape(q.shape) * s
+
+    # -- integer levels (nearest-even) ---------------------------------------------------------
+    def _check_integer(self, what: str) -> int:
+        if self.rounding != "nearest-even":
+            raise ValueError(f"Codec.{what} needs rounding='nearest-even' on an integer-grid map (signed 'linear' or "
+                             f"'ternary'), got {self!r}")
+        return self._mrq
+
+    def encode_integers(self, x: torch.Tensor, *, scales: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """BitNet's quantizer: ``(levels, scales)`` of ``x`` without packing (the hot path).
+
+        ``x``: any shape, fp32/bf16/fp16/fp64 (computed on its fp32 value), any device and strides.
+        Returns ``levels``, int8 in ``x``'s shape, ``k = clamp(round_half_even(x * f), -MRQ, MRQ)``
+        with ``f = fp32(1 / s) * MRQ`` (torch's ``MRQ / s``; NaN -> 0, +-Inf -> +-MRQ), and
+        ``scales``, 1-D fp32 with :meth:`num_scales` values (``dim0`` on ``[rows, cols]``: one per
+        row). ``scales`` given: use them instead of x's own. Needs ``rounding='nearest-even'``.
+        """
+        mrq = self._check_integer("encode_integers")
+        x32 = _as_fp32(x)
+        scales = self._scales(x32, scales)
+        f = expand_factors(integer.level_factors(scales, mrq), tuple(x32.shape), self.scale, self.group_size)
+        return integer.round_to_levels(x32, f, mrq), scales
+
+    def decode_integers(self, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """fp32 ``levels / f`` with ``f = fp32(1 / s) * MRQ`` broadcast per the scale type: BitNet's
+        ``q / scale``. ``levels``: int8, any shape; ``scales``: 1-D fp32, :meth:`num_scales` values
+        for that shape, on the same device. Returns an fp32 tensor of ``levels``' shape."""
+        mrq = self._check_integer("decode_integers")
+        if not isinstance(levels, torch.Tensor) or levels.dtype != torch.int8:
+            raise TypeError(f"levels must be an int8 tensor, got {getattr(levels, 'dtype', type(levels).__name__)}")
+        shape = tuple(levels.shape)
+        if scales.dtype != torch.float32 or scales.shape != (self.num_scales(shape),):
+            raise ValueError(f"scales must be 1-D float32 with {self.num_scales(shape)} values for shape {shape}, "
+                             f"got {scales.dtype} {tuple(scales.shape)}")
+        f = expand_factors(integer.level_factors(scales, mrq), shape, self.scale, self.group_size)
+        return integer.levels_to_values(levels, f)
 
 
 BACKENDS = ("reference", "native")
@@ -212,7 +310,8 @@ class QTensor:
 
     Attributes:
         codes: 1-D uint8, densely packed codes (``ceil(numel * bits / 8)`` bytes).
-        scales: 1-D fp32 absmax scales (layout per scale type, see :mod:`qconf.codec.scales`).
+        scales: 1-D fp32 scales (the codec's statistic; layout per scale type, see
+            :mod:`qconf.codec.scales`).
         shape: the original tensor's shape.
         codec: the :class:`Codec` that produced it.
     """

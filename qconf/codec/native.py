@@ -10,6 +10,8 @@ Positions of the descriptor's fields come from the extension (:func:`qconf._nati
 * :func:`codec_descriptor` -- the codec's integer fields (bits, levels, scale kind, block, d1,
   inner, stochastic) in the kernels' order.
 * :func:`encode` / :func:`decode` -- ``torch.ops.qconf.encode/decode`` on one tensor.
+* :func:`check_native` -- the codecs the kernels cannot run (absmean scales, a ``min_scale``
+  floor, ``nearest-even`` rounding) are refused with a ``ValueError`` by all of the above.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from .._native import layout, native_available, native_error
 from .octave_lines import octave_lines
 
 __all__ = ["TABLE_ROWS", "TABLE_SIZE", "midpoint_grid", "codec_table", "scale_layout", "codec_descriptor",
-           "encode", "decode"]
+           "encode", "decode", "check_native"]
 
 TABLE_ROWS, TABLE_SIZE = 12, 256  # the table format below (the kernels check them: layout "table.*")
 
@@ -66,6 +68,21 @@ def _planes(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words, b.t().contiguous().reshape(-1).view(torch.float32)
 
 
+def check_native(codec: Any) -> None:
+    """Raise ``ValueError`` unless the kernels can run ``codec``: they compute absmax scales with
+    only the FLT_MIN floor and round ``nearest`` or ``stochastic`` through the codec's tables."""
+    why = []
+    if codec.statistic != "absmax":
+        why.append(f"statistic {codec.statistic!r} (they compute absmax scales)")
+    if codec.min_scale > 0:
+        why.append(f"min_scale={codec.min_scale!r} (they have no scale floor)")
+    if codec.rounding not in ("nearest", "stochastic"):
+        why.append(f"rounding {codec.rounding!r} (they round nearest or stochastic)")
+    if why:
+        raise ValueError(f"the native kernels cannot run {codec!r}: {'; '.join(why)}. Use backend='reference' "
+                         "(or Codec.encode_integers / decode_integers for integer-grid codecs)")
+
+
 @functools.lru_cache(maxsize=1024)
 def codec_table(codec: Any) -> torch.Tensor:
     """The kernel's lookup tables of a codec, float32 [12, 256] (shared: do not modify):
@@ -85,8 +102,10 @@ def codec_table(codec: Any) -> torch.Tensor:
     10, 11. rows 0 and 1 as byte planes: byte 0 of the 256 entries, then byte 1, 2, 3
        (raw bits in float32 storage, for the kernels' byte/word permutes: ``Isa::lookup256n``)
 
-    ``csrc/include/qconf/step_types.h:point_tables`` reads this format.
+    ``csrc/include/qconf/step_types.h:point_tables`` reads this format. Raises ``ValueError`` for
+    a codec the kernels cannot run (:func:`check_native`).
     """
+    check_native(codec)
     qmap = codec.qmap
     levels = qmap.numel()
     inf = torch.full((TABLE_SIZE,), math.inf)
@@ -138,7 +157,9 @@ def scale_layout(codec: Any, shape: tuple[int, ...]) -> tuple[str, int, int, int
 
 def codec_descriptor(codec: Any, shape: tuple[int, ...]) -> list[int]:
     """The codec's integer fields for a tensor of ``shape``, in the kernels' order
-    (``layout()["codec.len"]`` ints: bits, levels, scale kind, block, d1, inner, stochastic)."""
+    (``layout()["codec.len"]`` ints: bits, levels, scale kind, block, d1, inner, stochastic).
+    Raises ``ValueError`` for a codec the kernels cannot run (:func:`check_native`)."""
+    check_native(codec)
     lay = layout()
     kind, block, d1, inner = scale_layout(codec, shape)
     desc = [0] * lay["codec.len"]

@@ -16,6 +16,12 @@ Maps (``n`` is a normalized value in [-1, 1] or [0, 1]):
 * ``linear`` -- symmetric integer grid ``k / MRQ``: signed ``MRQ = 2**(b-1) - 1`` (2**b - 1 levels
   including 0), unsigned ``MRQ = 2**b - 1`` (2**b levels). lpmm stores these unpacked as int32;
   here they are ordinary codes, packed like every other map.
+* ``ternary`` -- BitNet b1.58's levels ``-1, 0, +1`` (three levels, 2-bit codes packed four to a
+  byte). Only ``bits=2, signed=True``: the same values as signed 2-bit ``linear`` (MRQ = 1), under
+  its own name so that a codec says what it stores.
+
+``linear`` (signed) and ``ternary`` are the *integer grids* ``k / MRQ``, ``k = -MRQ..MRQ``
+(:func:`integer_grid_mrq`); only they take the ``nearest-even`` rounding of :class:`qconf.codec.Codec`.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import itertools
 
 import torch
 
-MAP_NAMES = ("nonlinear", "nonlinear-nozero", "power-1", "power-2", "power-3", "linear", "float-point")
+MAP_NAMES = ("nonlinear", "nonlinear-nozero", "power-1", "power-2", "power-3", "linear", "float-point", "ternary")
 
 # Exponent bits of lpmm's float-point map per total width (lpmm.functional.create_general_qmap).
 _FP_EXPONENT_BITS = {2: 1, 3: 2, 4: 2, 5: 3, 6: 3, 7: 4, 8: 4}
@@ -86,8 +92,31 @@ def _linear_map(bits: int, signed: bool) -> torch.Tensor:
     return torch.arange(lo, mrq + 1, dtype=torch.float32) / mrq
 
 
+def ternary_problem(bits: int, signed: bool) -> str | None:
+    """Why ``map="ternary"`` cannot have these ``bits``/``signed``, or None when it can."""
+    if bits == 2 and signed:
+        return None
+    return (f"map 'ternary' (levels -1, 0, +1 in 2-bit codes) needs bits=2 and signed=True, got bits={bits}, "
+            f"signed={signed}; for other widths use map 'linear'")
+
+
+def integer_grid_mrq(map: str, bits: int, signed: bool) -> int | None:
+    """MRQ of an integer-grid map (levels ``k / MRQ`` for ``k = -MRQ..MRQ``): ``2**(bits-1) - 1``
+    for signed ``linear``, 1 for ``ternary``; None for every other map (and unsigned ``linear``)."""
+    if map == "ternary":
+        return 1
+    if map == "linear" and signed and bits >= 2:
+        return 2 ** (bits - 1) - 1
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _create_qmap_cached(map: str, bits: int, signed: bool) -> torch.Tensor:
+    if map == "ternary":
+        problem = ternary_problem(bits, signed)
+        if problem:
+            raise ValueError(problem)
+        return torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float32)
     if map == "linear":
         if signed and bits < 2:
             raise ValueError("map 'linear' with signed=True needs bits >= 2 (1 bit leaves only the level 0)")
@@ -109,8 +138,9 @@ def _create_qmap_cached(map: str, bits: int, signed: bool) -> torch.Tensor:
 def create_qmap(map: str, bits: int, signed: bool) -> torch.Tensor:
     """Return the quantization map ``map`` at ``bits`` bits as a new sorted 1-D fp32 CPU tensor.
 
-    Length is ``2**bits`` except for signed ``linear`` (``2**bits - 1`` levels). Raises
-    ``ValueError`` for an unknown map or bits outside 1..8.
+    Length is ``2**bits`` except for signed ``linear`` (``2**bits - 1`` levels) and ``ternary`` (3).
+    Raises ``ValueError`` for an unknown map, bits outside 1..8, signed 1-bit ``linear`` or a
+    ``ternary`` map other than ``bits=2, signed=True``.
     """
     if map not in MAP_NAMES:
         raise ValueError(f"unknown map {map!r}; allowed: {', '.join(MAP_NAMES)}")

@@ -198,7 +198,9 @@ def check_codec(raw: Any, path: str, rep: Reporter) -> Any:
     merged = {**COMPENSATION_CODEC_DEFAULTS, **fields}
     combo = state_combo_problem(merged["bits"], merged["map"], merged["signed"])
     if combo:
-        rep.add(path, dict(raw), combo, "bits >= 2 for a signed linear map")
+        allowed = "bits: 2 and signed: true for map 'ternary'" if merged["map"] == "ternary" else \
+            "bits >= 2 for a signed linear map"
+        rep.add(path, dict(raw), combo, allowed)
         return BAD
     if merged["scale"] != "group":
         rep.add(join(path, "scale"), merged["scale"], f"{fmt(merged['scale'])} is not supported for the "
@@ -254,9 +256,13 @@ def check_section(raw: Any, fields: Mapping[str, Spec], path: str, rep: Reporter
 
 
 def state_combo_problem(bits: Any, map: Any, signed: Any) -> str | None:
-    """Cross-field rule of a state: the signed linear map needs 2 bits (1 bit leaves only 0)."""
+    """Cross-field rules of a state: the signed linear map needs 2 bits (1 bit leaves only 0); the
+    ternary map (-1, 0, +1) is exactly bits 2, signed. Fields not given (None) are not judged."""
     if map == "linear" and signed is True and bits == 1:
         return "map 'linear' with signed: true needs bits >= 2 (1 bit leaves only the level 0)"
+    if map == "ternary" and ((bits is not None and bits != 2) or signed is False):
+        return (f"map 'ternary' (levels -1, 0, +1 in 2-bit codes) needs bits: 2 and signed: true, got bits: "
+                f"{fmt(bits)}, signed: {fmt(signed)}; for other widths use map 'linear'")
     return None
 
 
