@@ -39,7 +39,8 @@ from ..codec.integer import level_factors
 from ..codec.qmap import integer_grid_mrq
 from ..config import BitNetConfig
 
-__all__ = ["BitLinear", "bit_linear", "bit_linear_product", "quantized_forward", "output_dtype", "integer_matmul"]
+__all__ = ["BitLinear", "bit_linear", "bit_linear_product", "quantized_forward", "output_dtype", "integer_matmul",
+           "rescale_"]
 
 #: torch's CPU ``_int_mm`` calls oneDNN only with AVX-512 VNNI (and mkldnn on); otherwise it is a
 #: scalar loop (aten/src/ATen/native/LinearAlgebra.cpp, ``_int_mm_out_cpu``). Read once, at import.
@@ -80,11 +81,19 @@ def bit_linear_product(x_levels: torch.Tensor, x_scales: torch.Tensor, w_levels:
     int8 ``x_levels [M, K]`` with fp32 ``x_scales [M]`` and int8 ``w_levels [N, K]`` with fp32
     ``w_scales [1]``. Shared by training (:class:`BitLinear`) and inference
     (:class:`qconf.nn.BitLinearInference`), so that both give the same bits."""
-    mx, mw = _mrq(activation_codec), _mrq(weight_codec)
-    acc = integer_matmul(x_levels, w_levels, mx * mw)
-    factors = level_factors(x_scales, mx).unsqueeze(1) * level_factors(w_scales, mw)
-    y = acc.div_(factors)
-    return y if bias is None else y.add_(bias.to(torch.float32))
+    acc = integer_matmul(x_levels, w_levels, _mrq(activation_codec) * _mrq(weight_codec))
+    return rescale_(acc, x_scales, w_scales, bias, activation_codec, weight_codec)
+
+
+def rescale_(acc: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
+             activation_codec: Codec, weight_codec: Codec) -> torch.Tensor:
+    """Step 3 of the forward: fp32 ``acc [M, N]`` (the integer product; overwritten when there is
+    no bias) -> ``acc / fp32(fx * fw) (+ b)``, fp32 ``[M, N]``."""
+    fx, fw = level_factors(x_scales, _mrq(activation_codec)), level_factors(w_scales, _mrq(weight_codec))
+    factors = fx.unsqueeze(1) * fw
+    if bias is None:
+        return acc.div_(factors)
+    return torch.addcdiv(bias.to(torch.float32), acc, factors)  # b + A / f: the same two roundings, one pass
 
 
 def quantized_forward(x: torch.Tensor, w_levels: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
@@ -144,7 +153,8 @@ def bit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``bias [N]`` or None -> ``[..., N]`` in :func:`output_dtype`; differentiable in all three
     (straight-through estimator). Formulas: module docstring."""
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"input has {x.shape[-1]} features in its last dimension, the weight expects {weight.shape[1]}")
+        raise ValueError(f"input has {x.shape[-1]} features in its last dimension, the weight expects "
+                         f"{weight.shape[1]}")
     return _BitLinearFunction.apply(x, weight, bias, weight_codec, activation_codec)
 
 
