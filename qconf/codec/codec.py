@@ -278,7 +278,7 @@ class Codec:
         if not isinstance(q, QTensor) or q.codec != self:
             raise ValueError(f"decode_levels expects a QTensor encoded with {self!r}, got "
                              f"{q.codec if isinstance(q, QTensor) else type(q).__name__!r}")
-        codes = packing.unpack(q.codes, self.bits, math.prod(q.shape))
+        codes = packing.unpack(q.codes, self.bits, math.prod(q.shape), torch.int16)  # codes <= 2 * MRQ = 254
         return (codes - mrq).to(torch.int8).reshape(q.shape)
 
     def decode_integers(self, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
