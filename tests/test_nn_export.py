@@ -101,3 +101,18 @@ def test_sizes_count_every_byte():
     assert s.fp32_bytes(linear_only=True) == 4 * numel and s.packed_bytes == s.linear_packed_bytes + s.other_bytes
     table = s.table()
     assert "linear weights" in table and "whole model" in table
+
+
+def test_tied_tensors_are_exported_and_counted_once():
+    m = model()
+    m.lm_head.weight = m.embed.weight  # tied embedding and head (the head stays full precision)
+    quantize_(m, ON)
+    exported = export_bitnet(m)
+    assert exported["state"]["lm_head.weight"] is exported["state"]["embed.weight"]
+    buf = io.BytesIO()
+    torch.save(exported, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert bitnet_sizes(loaded) == bitnet_sizes(exported)
+    assert bitnet_sizes(exported).other_numel == sum(t.numel() for k, t in exported["state"].items()
+                                                     if k != "lm_head.weight")

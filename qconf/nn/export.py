@@ -60,12 +60,18 @@ class BitLinearInference(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _same_tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    """A key equal for tensors that are the same data (one tensor, or views alike of one storage,
+    as tied weights come back from ``torch.load``)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
 def _snapshot(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached copies of ``state``; entries sharing one tensor (tied weights) share one copy."""
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
     out = {}
     for key, t in state.items():
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        ident = _same_tensor(t)
         if ident not in copies:
             copies[ident] = t.detach().clone()
         out[key] = copies[ident]
@@ -92,7 +98,8 @@ def export_bitnet(model: nn.Module) -> dict[str, Any]:
 def _read_layers(model: nn.Module, exported: Any) -> tuple[dict[str, Any], list[str]]:
     """(name -> (entry, new BitLinearInference)) for ``load_bitnet``, and the problems found."""
     problems: list[str] = []
-    if not isinstance(exported, Mapping) or exported.get("format") != FORMAT or exported.get("version") != VERSION:
+    if not isinstance(exported, Mapping) or exported.get("format") != FORMAT or exported.get("version") != VERSION \
+            or not isinstance(exported.get("layers"), Mapping) or not isinstance(exported.get("state"), Mapping):
         return {}, [f"not a {FORMAT} version {VERSION} export (a dict from qconf.nn.export_bitnet)"]
     bitlinears = {e.name: e for e in module_names(model).values() if isinstance(e.module, BitLinear)}
     layers = exported["layers"]
@@ -193,7 +200,7 @@ def bitnet_sizes(exported: Mapping[str, Any]) -> BitNetSizes:
         w = layer["weight"]
         linear_numel += int(torch.Size(w["shape"]).numel())
         linear_bytes += w["codes"].nbytes + w["scales"].nbytes
-    unique = {id(t): t for t in exported["state"].values()}.values()
+    unique = {_same_tensor(t): t for t in exported["state"].values()}.values()
     numel = sum(t.numel() for t in unique)
     as_is = sum(t.nbytes for t in unique)
     f32 = sum(t.numel() * 4 if t.is_floating_point() else t.nbytes for t in unique)
