@@ -5,9 +5,11 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 import yaml
 
 from qconf.cli import main
+from qconf.codec import Codec
 from qconf.config import BitNetConfig, QConfig, load_config
 from qconf.config.bitnet import DEFAULT_EXCLUDE
 from qconf.errors import QConfigError
@@ -38,6 +40,16 @@ def test_defaults_and_selection():
     assert not c.selects("layers.3.mlp.fc2") and not c.selects("layers.3.attn.q") and not c.selects("outer")
     assert hash(c) == hash(BitNetConfig(modules=("re:layers\\.\\d+\\.mlp\\..*", "out"), exclude=("*.fc2",)))
     assert pickle.loads(pickle.dumps(c)) == c and pickle.loads(pickle.dumps(c)).selects("out")
+
+
+def test_codecs_are_bitnets():
+    b = BitNetConfig(weight_eps=2e-5, activation_eps=3e-5, activation_bits=6)
+    assert b.weight_codec() == Codec(bits=2, map="ternary", signed=True, scale="tensor", statistic="absmean",
+                                     rounding="nearest-even", min_scale=2e-5)
+    assert b.activation_codec() == Codec(bits=6, map="linear", signed=True, scale="dim0", statistic="absmax",
+                                         rounding="nearest-even", min_scale=3e-5)
+    levels, scales = b.activation_codec().encode_integers(torch.tensor([[100.0, -0.5, 31.0]]))
+    assert levels.tolist() == [[31, 0, 10]] and scales.tolist() == [100.0]  # MRQ = 2**5 - 1
 
 
 def test_to_dict_round_trip_and_default_omitted(tmp_path):
@@ -118,3 +130,17 @@ def test_show_prints_the_section(capsys, tmp_path):
     assert main(["show", str(path), "--json"]) == 0
     import json
     assert json.loads(capsys.readouterr().out)["config"]["bitnet"] == section
+
+
+def test_optimizer_checkpoints_keep_the_section():
+    import qconf
+    cfg = {"bitnet": {"enable": True, "exclude": ["out"]}}
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = qconf.optim.AdamW([p], qconfig=cfg)
+    p.grad = torch.randn(8, 8)
+    opt.step()
+    sd = opt.state_dict()
+    assert load_config(sd["param_groups"][0]["qconf"]["qconfig"]).bitnet == BitNetConfig(enable=True, exclude=("out",))
+    fresh = qconf.optim.AdamW([torch.nn.Parameter(torch.zeros(8, 8))], qconfig=cfg)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.state_dict()["state"][0]["step"], sd["state"][0]["step"])
