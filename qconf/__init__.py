@@ -9,8 +9,9 @@ from .config import QConfig, StatePlan, load_config
 from .memory import MemoryReport, memory_report
 from .errors import QConfigError
 from . import optim  # noqa: E402  (qconf.optim.AdamW after `import qconf`)
+from . import nn  # noqa: E402  (qconf.nn.BitLinear, qconf.nn.quantize_ after `import qconf`)
 
 __version__ = "0.1.0"
 
 __all__ = ["Codec", "QTensor", "create_qmap", "QConfig", "StatePlan", "load_config", "QConfigError", "memory_report",
-           "MemoryReport", "optim", "__version__"]
+           "MemoryReport", "optim", "nn", "__version__"]

@@ -254,6 +254,8 @@ def test_pack_round_trip_every_width(bits, n, seed):
     packed = packing.pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n * bits / 8)
     assert torch.equal(packing.unpack(packed, bits, n), codes)
+    narrow = packing.unpack(packed, bits, n, torch.int16)
+    assert narrow.dtype == torch.int16 and torch.equal(narrow.long(), codes)
 
 
 def test_pack_layout_is_little_endian_bit_stream():

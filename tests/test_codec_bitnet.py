@@ -354,3 +354,15 @@ def test_config_ternary_state_and_override_combinations():
                      "overrides": [{"match": "x", "states": {"exp_avg": {"bits": 4}}}]})
     with pytest.raises(QConfigError, match="weights.compensation_codec: map 'ternary'"):
         load_config({"weights": {"compensation": "kahan", "compensation_codec": {"map": "ternary"}}})
+
+
+def test_decode_levels_unpacks_the_packed_levels():
+    torch.manual_seed(3)
+    for codec, x in [(W, torch.randn(7, 13) * 2), (A, torch.randn(5, 9))]:
+        q = codec.encode(x)
+        levels, scales = codec.encode_integers(x)
+        assert torch.equal(codec.decode_levels(q), levels) and torch.equal(q.scales, scales)
+    with pytest.raises(ValueError, match="decode_levels expects a QTensor encoded with"):
+        W.decode_levels(A.encode(torch.randn(2, 3)))
+    with pytest.raises(ValueError, match="needs rounding='nearest-even'"):
+        Codec().decode_levels(Codec().encode(torch.randn(4)))

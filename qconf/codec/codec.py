@@ -247,11 +247,10 @@ class Codec:
                              "use q.decode() or the encoding codec")
         if _check_backend(backend) == "native" and q.numel() > 0:
             return native.decode(self, q.codes, q.scales, tuple(q.shape))
-        qmap, _ = self._tables(q.codes.device)
-        numel = math.prod(q.shape)
-        codes = packing.unpack(q.codes, self.bits, numel)
         if self.rounding == "nearest-even":
-            return self.decode_integers((codes - self._mrq).to(torch.int8).reshape(q.shape), q.scales)
+            return self.decode_integers(self.decode_levels(q), q.scales)
+        qmap, _ = self._tables(q.codes.device)
+        codes = packing.unpack(q.codes, self.bits, math.prod(q.shape))
         s = expand_scales(q.scales, tuple(q.shape), self.scale, self.group_size)
         return qmap[codes].reshape(q.shape) * s
 
@@ -277,6 +276,16 @@ class Codec:
         scales = self._scales(x32, scales)
         f = expand_factors(integer.level_factors(scales, mrq), tuple(x32.shape), self.scale, self.group_size)
         return integer.round_to_levels(x32, f, mrq), scales
+
+    def decode_levels(self, q: "QTensor") -> torch.Tensor:
+        """The int8 levels ``k = code - MRQ`` of a packed :class:`QTensor` this codec encoded, in its
+        shape (with ``q.scales``, what :meth:`encode_integers` returned). Needs ``nearest-even``."""
+        mrq = self._check_integer("decode_levels")
+        if not isinstance(q, QTensor) or q.codec != self:
+            raise ValueError(f"decode_levels expects a QTensor encoded with {self!r}, got "
+                             f"{q.codec if isinstance(q, QTensor) else type(q).__name__!r}")
+        codes = packing.unpack(q.codes, self.bits, math.prod(q.shape), torch.int16)  # codes <= 2 * MRQ = 254
+        return (codes - mrq).to(torch.int8).reshape(q.shape)
 
     def decode_integers(self, levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """fp32 ``levels / f`` with ``f = fp32(1 / s) * MRQ`` broadcast per the scale type: BitNet's

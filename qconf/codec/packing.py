@@ -6,7 +6,8 @@ Layout: the codes form one little-endian bit stream. Code ``i`` occupies stream 
 tensor of ``n`` codes costs ``ceil(n * b / 8)`` bytes -- nothing is padded in storage.
 
 Both directions work on groups of 8 codes (= ``b`` bytes), assembled into one int64 word, so the
-only temporaries are ``n / 8`` words.
+only temporaries are ``n / 8`` words. Unpacking a width that divides 8 (1, 2, 4 bits) shifts each
+byte directly, in uint8.
 """
 from __future__ import annotations
 
@@ -37,23 +38,26 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out[: packed_nbytes(n, bits)]
 
 
-def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: return the first ``numel`` codes as a 1-D int64 tensor."""
+def unpack(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack`: return the first ``numel`` codes as a 1-D tensor of ``dtype``
+    (int64 by default; any dtype that holds ``2**bits - 1``)."""
     _check_bits(bits)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(f"packed codes must be a 1-D uint8 tensor, got {packed.dtype} of shape {tuple(packed.shape)}")
     need = packed_nbytes(numel, bits)
     if packed.numel() != need:
         raise ValueError(f"{numel} codes of {bits} bits need {need} bytes, got {packed.numel()}")
-    if bits == 8:
-        return packed.to(torch.int64)
+    if 8 % bits == 0:  # whole codes in each byte: code j of a byte is bits [j*bits, (j+1)*bits)
+        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+        codes = (packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(-1)[:numel].to(dtype)
     pad = (-packed.numel()) % bits
     groups = torch.nn.functional.pad(packed.to(torch.int64), (0, pad)).view(-1, bits)
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
     word = (groups << byte_shifts).sum(dim=1)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
     codes = (word.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:numel]
+    return codes.reshape(-1)[:numel].to(dtype)
 
 
 def _check_bits(bits: int) -> None:

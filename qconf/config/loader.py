@@ -29,6 +29,7 @@ from typing import Any, Mapping
 from ..errors import Problem, QConfigError, QConfigWarning
 from .builtin import builtin_names, builtin_path, is_builtin_name, resolve_builtin
 from .lpmm import is_upper_key, lpmm_to_native
+from .bitnet import BITNET_FIELDS, BitNetConfig
 from .model import Override, QConfig, WeightsConfig
 from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, as_text, check_override, check_section,
                     check_states, check_value, fmt, kind, unknown_key)
@@ -212,6 +213,8 @@ def _native_partial(raw: Mapping[Any, Any], rep: Reporter) -> dict[str, Any]:
             out["states"] = check_states(value, "states", rep)
         elif key == "weights":
             out["weights"] = check_section(value, WEIGHTS_FIELDS, "weights", rep)
+        elif key == "bitnet":
+            out["bitnet"] = check_section(value, BITNET_FIELDS, "bitnet", rep)
         elif key == "overrides":
             out["overrides"] = _native_overrides(value, rep)
         else:
@@ -271,8 +274,8 @@ def _merge(into: dict[str, Any], layer: dict[str, Any]) -> None:
             states = into.setdefault("states", {})
             for name, fields in value.items():
                 states.setdefault(name, {}).update(fields)
-        elif key == "weights":
-            into.setdefault("weights", {}).update(value)
+        elif key in ("weights", "bitnet"):  # field by field; a list (bitnet.modules) is one field
+            into.setdefault(key, {}).update(value)
         else:
             into[key] = value
 
@@ -291,6 +294,7 @@ def _build(merged: dict[str, Any], top: str, source: str | None) -> QConfig:
             weights=WeightsConfig(**merged.get("weights", {})),
             overrides=overrides,
             source=source,
+            bitnet=BitNetConfig(**merged.get("bitnet", {})),
         )
     except QConfigError as e:  # cross-field problems that only show after merging
         problems = []

@@ -13,12 +13,14 @@ from typing import Any, Mapping, Sequence
 
 from ..codec import Codec
 from ..errors import QConfigError
+from .bitnet import BITNET_FIELDS, BitNetConfig
 from .frozen import FrozenDict
 from .rules import (BAD, OVERRIDE_KEYS, OVERRIDE_STATE_FIELDS, STATE_FIELDS, STATE_NAMES, TOP_FIELDS, WEIGHTS_FIELDS,
                     Reporter, check_override, check_section, check_value, combo_allowed, compile_match, join, kind,
                     state_combo_problem, unknown_key)
 
-__all__ = ["StateConfig", "WeightsConfig", "Override", "QConfig", "DEFAULT_STATES", "STATE_NAMES", "make_codec"]
+__all__ = ["StateConfig", "WeightsConfig", "Override", "QConfig", "BitNetConfig", "DEFAULT_STATES", "STATE_NAMES",
+           "make_codec"]
 
 
 def _reraise(e: QConfigError, file: str, prefix: str) -> QConfigError:
@@ -177,7 +179,9 @@ class QConfig:
 
     ``states`` always holds every name in :data:`STATE_NAMES`; when constructing directly, a
     missing state gets its :data:`DEFAULT_STATES` section and a state given as a mapping is
-    applied on top of it. ``weights`` may be a mapping and ``overrides`` a list of mappings.
+    applied on top of it. ``weights`` and ``bitnet`` may be mappings and ``overrides`` a list of
+    mappings. ``bitnet`` (:class:`BitNetConfig`) is for :func:`qconf.nn.quantize_`; the optimizers
+    ignore it.
     """
 
     version: int = 1
@@ -186,14 +190,16 @@ class QConfig:
     weights: WeightsConfig = dataclasses.field(default_factory=WeightsConfig)
     overrides: tuple[Override, ...] = ()
     source: str | None = dataclasses.field(default=None, compare=False)
+    bitnet: BitNetConfig = dataclasses.field(default_factory=BitNetConfig)
 
     def __post_init__(self) -> None:
         rep = Reporter("<QConfig>")
         for key, spec in TOP_FIELDS.items():
             check_value(spec, getattr(self, key), key, rep)
         states = self._normalize_states(rep)
-        weights = self._normalize_weights(rep)
+        weights = self._normalize_section("weights", WeightsConfig, WEIGHTS_FIELDS, rep)
         overrides = self._normalize_overrides(rep)
+        bitnet = self._normalize_section("bitnet", BitNetConfig, BITNET_FIELDS, rep)
         if states is not None and overrides is not None:
             for i, ov in enumerate(overrides):
                 for name, fields in ov.states.items():
@@ -206,6 +212,7 @@ class QConfig:
         object.__setattr__(self, "states", states)
         object.__setattr__(self, "weights", weights)
         object.__setattr__(self, "overrides", overrides)
+        object.__setattr__(self, "bitnet", bitnet)
 
     def _normalize_states(self, rep: Reporter) -> FrozenDict | None:
         if not isinstance(self.states, Mapping):
@@ -232,15 +239,17 @@ class QConfig:
             return None
         return FrozenDict((name, out.get(name, DEFAULT_STATES[name])) for name in STATE_NAMES)
 
-    def _normalize_weights(self, rep: Reporter) -> WeightsConfig | None:
-        if isinstance(self.weights, WeightsConfig):
-            return self.weights
-        if isinstance(self.weights, Mapping) or self.weights is None:
+    def _normalize_section(self, key: str, cls: type, fields: Mapping[str, Any], rep: Reporter) -> Any:
+        """``weights`` / ``bitnet``: an instance of ``cls`` as is, or a mapping of its fields."""
+        value = getattr(self, key)
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping) or value is None:
             before = len(rep.problems)
-            fields = check_section(self.weights, WEIGHTS_FIELDS, "weights", rep)
-            return WeightsConfig(**fields) if len(rep.problems) == before else None
-        rep.add("weights", self.weights, f"expected a WeightsConfig or a mapping, got {kind(self.weights)}",
-                f"a mapping with keys {', '.join(WEIGHTS_FIELDS)}")
+            checked = check_section(value, fields, key, rep)
+            return cls(**checked) if len(rep.problems) == before else None
+        rep.add(key, value, f"expected a {cls.__name__} or a mapping, got {kind(value)}",
+                f"a mapping with keys {', '.join(fields)}")
         return None
 
     def _normalize_overrides(self, rep: Reporter) -> tuple[Override, ...] | None:
@@ -262,14 +271,20 @@ class QConfig:
         return tuple(out) if len(out) == len(self.overrides) else None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data in the full explicit native form: ``load_config(cfg.to_dict()) == cfg``."""
-        return {
+        """Plain data in the full explicit native form: ``load_config(cfg.to_dict()) == cfg``.
+        ``bitnet`` is there, with every field, unless it is all defaults: configs without BitNet
+        (and the qconfig that optimizer checkpoints record) read exactly as before the section
+        existed."""
+        out = {
             "version": self.version,
             "min_numel": self.min_numel,
             "states": {name: self.states[name].to_dict() for name in STATE_NAMES},
             "weights": self.weights.to_dict(),
             "overrides": [ov.to_dict() for ov in self.overrides],
         }
+        if self.bitnet != BitNetConfig():
+            out["bitnet"] = self.bitnet.to_dict()
+        return out
 
     def to_yaml(self) -> str:
         """``to_dict()`` as YAML text (keys in schema order)."""

@@ -1,6 +1,6 @@
 """The validation rules of the native qconfig schema: one :class:`Spec` per scalar field, the
-checks of every section (``states``, ``weights``, ``overrides``, codec sections, ``match``
-selectors) and the problem reporting they share.
+checks of every section (``states``, ``weights``, ``overrides``, ``bitnet``, codec sections,
+``match`` selectors); the problem reporting they share is :mod:`qconf.config.report` (re-exported here).
 
 Each check appends :class:`~qconf.errors.Problem` records (file, key path, bad value, what is
 allowed, did-you-mean) to a :class:`Reporter` and returns the valid part, or :data:`BAD`. The YAML
@@ -11,19 +11,19 @@ from Python.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 import numbers
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from ..codec import MAP_NAMES, ROUNDING_MODES, SCALE_TYPES
-from ..errors import Problem, QConfigError
 from .frozen import FrozenDict
+from .report import Reporter, as_text, fmt, join, kind, suggest, unknown_key
 
 __all__ = [
     "BAD", "Reporter", "Spec", "join", "fmt", "kind", "suggest", "unknown_key", "check_value", "check_section",
-    "check_states", "check_codec", "check_override", "check_match", "compile_match", "state_combo_problem",
+    "check_states", "check_codec", "check_override", "check_match", "check_selectors", "compile_match",
+    "state_combo_problem",
     "STATE_NAMES", "STATE_FIELDS", "OVERRIDE_STATE_FIELDS", "CODEC_FIELDS", "WEIGHTS_FIELDS", "TOP_FIELDS",
     "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS", "MAX_GROUP_SIZE",
     "MAX_NUMEL", "MAX_NDIM", "MAX_MATCH_CHARS", "as_text",
@@ -44,120 +44,6 @@ MAX_NDIM = 64
 
 
 # ---------------------------------------------------------------------------------------------
-# Problem collection and value formatting
-# ---------------------------------------------------------------------------------------------
-class Reporter:
-    """Collects :class:`Problem` for one file (or one constructor call)."""
-
-    def __init__(self, file: str) -> None:
-        self.file = file
-        self.problems: list[Problem] = []
-
-    def add(self, key_path: str, value: Any, message: str, allowed: str = "",
-            suggestion: str | None = None, line: int | None = None, column: int | None = None) -> None:
-        if _huge_int(value):  # keep Problem printable: repr() of an int over 4300 digits raises
-            value = as_text(value)
-        self.problems.append(Problem(self.file, key_path, value, allowed, message, suggestion, line, column))
-
-    def raise_if_any(self) -> None:
-        if self.problems:
-            raise QConfigError(self.problems)
-
-
-def _huge_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128
-
-
-def as_text(value: Any) -> str:
-    """``str(value)``, except that an integer too long to print in full (Python refuses to convert
-    ints over 4300 digits to text) is described by its size."""
-    if _huge_int(value):
-        digits = int(value.bit_length() * 0.30103) + 1  # log10(2): decimal digits of a b-bit integer
-        return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
-    return str(value)
-
-
-def join(path: str, key: Any) -> str:
-    """Extend a dotted key path: ``join("states", "exp_avg") == "states.exp_avg"``. Control
-    characters, line breaks and lone surrogates in a key are escaped (a problem is one printable line)."""
-    key = as_text(key)
-    if not key.isprintable():
-        key = key.encode("unicode_escape").decode("ascii")
-    return f"{path}.{key}" if path else key
-
-
-def fmt(value: Any, _depth: int = 0) -> str:
-    """Show a value the way it is written in YAML (``true``, ``null``, ``'group'``), shortened.
-    Nesting is cut at depth 3, so self-referencing YAML anchors cannot recurse forever."""
-    if value is None:
-        text = "null"
-    elif isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = repr(value)
-    elif _huge_int(value):
-        text = as_text(value)
-    elif isinstance(value, (Mapping, list, tuple)) and _depth >= 3:
-        text = "{...}" if isinstance(value, Mapping) else "[...]"
-    elif isinstance(value, Mapping):
-        items = list(value.items())[:8]
-        text = "{" + ", ".join(f"{fmt(k, _depth + 1)}: {fmt(v, _depth + 1)}" for k, v in items) + "}"
-    elif isinstance(value, (list, tuple)):
-        text = "[" + ", ".join(fmt(v, _depth + 1) for v in list(value)[:8]) + "]"
-    else:
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def kind(value: Any) -> str:
-    """``'a list'``, ``'a string'``, ... for 'expected X, got Y' messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, numbers.Integral):
-        return "an integer"
-    if isinstance(value, numbers.Real):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return f"a {type(value).__name__}"
-
-
-# Spellings people carry over from lpmm or elsewhere, for did-you-mean.
-_ALIASES = {
-    "threshold": "min_numel", "quant_type": "map", "qmap": "map", "scale_type": "scale",
-    "round_type": "rounding", "gp_sz": "group_size", "block_size": "group_size", "bit": "bits",
-    "real-nearest": "nearest", "sr": "stochastic", "real-sr": "stochastic", "m": "exp_avg",
-    "sqm": "exp_avg_sq", "momentum_buffer": "exp_avg", "dynamic": "nonlinear", "block": "group",
-    "blockwise": "group",
-}
-
-
-def suggest(word: Any, candidates: Sequence[str]) -> str | None:
-    """The closest candidate to a misspelled ``word`` (difflib), or None."""
-    if not isinstance(word, str) or not candidates:
-        return None
-    lowered = {c.lower(): c for c in candidates}
-    w = word.lower()
-    if w in lowered and lowered[w] != word:
-        return lowered[w]
-    alias = _ALIASES.get(w)
-    if alias in candidates and alias != word:
-        return alias
-    close = difflib.get_close_matches(w, list(lowered), n=1, cutoff=0.6)
-    return lowered[close[0]] if close and lowered[close[0]] != word else None
-
-
-def unknown_key(rep: Reporter, path: str, key: Any, allowed: Sequence[str], noun: str = "key") -> None:
-    rep.add(join(path, key), key, f"unknown {noun} {fmt(key)}", ", ".join(allowed), suggest(key, allowed))
-
-
-# ---------------------------------------------------------------------------------------------
 # Field rules
 # ---------------------------------------------------------------------------------------------
 BAD = object()  #: what a check returns for an invalid value (after reporting it)
@@ -167,9 +53,9 @@ BAD = object()  #: what a check returns for an invalid value (after reporting it
 class Spec:
     """The rule for one scalar field: a boolean, a bounded integer, or one of a set of strings."""
 
-    kind: str                       # "bool" | "int" | "enum" | "codec" (a nested codec section)
-    lo: int | None = None
-    hi: int | None = None
+    kind: str                       # "bool" | "int" | "float" | "enum" | "codec" (a nested codec section)
+    lo: int | float | None = None   # | "selectors" (a list of match patterns, at least ``lo`` of them)
+    hi: int | float | None = None
     choices: tuple[str, ...] = ()
     nullable: bool = False
     noun: str = "value"             # enum messages: "'grop' is not a valid scale type"
@@ -185,6 +71,11 @@ class Spec:
                 text = f"integer {self.lo}..{_bound(self.hi)}"
             else:
                 text = f"integer >= {self.lo}"
+        elif self.kind == "float":
+            text = f"a number {self.lo:g}..{self.hi:g}"
+        elif self.kind == "selectors":
+            count = "one or more" if self.lo else "zero or more"
+            text = f"a list of {count} globs or 're:<regex>' patterns on qualified names"
         elif self.kind == "codec":
             text = f"a mapping with keys {', '.join(CODEC_FIELDS)} (scale group)"
         else:
@@ -207,6 +98,10 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
         return None
     if spec.kind == "codec":
         return check_codec(value, path, rep)
+    if spec.kind == "selectors":
+        return check_selectors(spec, value, path, rep)
+    if spec.kind == "float":
+        return _check_float(spec, value, path, rep)
     if spec.kind == "bool":
         if not isinstance(value, bool):
             rep.add(path, value, f"{fmt(value)} is not a boolean", spec.allowed())
@@ -229,6 +124,31 @@ def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
         rep.add(path, value, f"{fmt(value)} is not a valid {spec.noun}", spec.allowed(), suggest(value, spec.choices))
         return BAD
     return value
+
+
+def _check_float(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
+    """A real number (an integer too; not a bool) within ``[lo, hi]``, returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = " (YAML reads a number without a dot, such as 1e-5, as text: write 1.0e-5)" \
+            if isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value) else ""
+        rep.add(path, value, f"{fmt(value)} is not a number{hint}", spec.allowed())
+        return BAD
+    if not spec.lo <= value <= spec.hi:  # NaN fails both comparisons
+        rep.add(path, value, f"{as_text(value)} is out of range", spec.allowed())
+        return BAD
+    return float(value)
+
+
+def check_selectors(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
+    """A list of ``match`` patterns (:func:`check_match` each), at least ``spec.lo`` of them; a tuple."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        rep.add(path, value, f"expected a list, got {kind(value)} {fmt(value)}", spec.allowed())
+        return BAD
+    if len(value) < (spec.lo or 0):
+        rep.add(path, value, "empty list (selects nothing)", spec.allowed())
+        return BAD
+    checked = [check_match(v, f"{path}[{i}]", rep) for i, v in enumerate(value)]
+    return BAD if any(c is BAD for c in checked) else tuple(checked)
 
 
 WEIGHT_ROUNDING = ("nearest", "stochastic")
@@ -294,7 +214,7 @@ TOP_FIELDS: Mapping[str, Spec] = FrozenDict({
     "version": Spec("int", 1, 1),
     "min_numel": Spec("int", 0, MAX_NUMEL),
 })
-TOP_KEYS = ("version", "base", "min_numel", "states", "weights", "overrides")
+TOP_KEYS = ("version", "base", "min_numel", "states", "weights", "overrides", "bitnet")
 SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
     "ndim": Spec("int", 0, MAX_NDIM),
     "min_numel": Spec("int", 0, MAX_NUMEL),
@@ -303,7 +223,7 @@ SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
 OVERRIDE_SELECTORS = ("match", "ndim", "min_numel", "max_numel")
 OVERRIDE_ACTIONS = ("enable", "states", "weights")
 OVERRIDE_KEYS = OVERRIDE_SELECTORS + OVERRIDE_ACTIONS
-MATCH_ALLOWED = "an fnmatch glob on the parameter name such as '*.bias', or 're:<regex>'"
+MATCH_ALLOWED = "an fnmatch glob on the qualified name such as '*.bias', or 're:<regex>'"
 #: A ``match`` pattern is compiled to a regex on load (Python's re: ~40 us a character); names are far shorter.
 MAX_MATCH_CHARS = 2000
 
