@@ -60,7 +60,7 @@ def test_to_dict_round_trip_and_default_omitted(tmp_path):
     d = cfg.to_dict()
     assert list(d)[-1] == "bitnet"
     assert d["bitnet"] == {"enable": True, "modules": ["layers.*"], "exclude": [], "weight_eps": 1e-6,
-                           "activation_eps": 2.0, "activation_bits": 4}
+                           "activation_eps": 2.0, "activation_bits": 4, "latent_dtype": "keep"}
     assert isinstance(d["bitnet"]["activation_eps"], float)
     assert load_config(d) == cfg
     assert load_config(yaml.safe_load(cfg.to_yaml())) == cfg
@@ -126,7 +126,7 @@ def test_show_prints_the_section(capsys, tmp_path):
     out = capsys.readouterr().out
     section = yaml.safe_load(out)["bitnet"]
     assert section == {"enable": True, "modules": ["*"], "exclude": ["lm_head"], "weight_eps": 1e-5,
-                       "activation_eps": 1e-5, "activation_bits": 8}
+                       "activation_eps": 1e-5, "activation_bits": 8, "latent_dtype": "keep"}
     assert main(["show", str(path), "--json"]) == 0
     import json
     assert json.loads(capsys.readouterr().out)["config"]["bitnet"] == section

@@ -186,3 +186,20 @@ def test_remove_norms_and_surgery_errors():
         with pytest.raises(ValueError, match=re.escape(words)):
             call()
         assert unchanged(m, before)
+
+
+def test_latent_dtype_casts_the_converted_layers_in_place():
+    m = model()
+    params = dict(m.named_parameters())
+    names = quantize_(m, {"bitnet": {"enable": True, "latent_dtype": "bfloat16"}})
+    for n in names:
+        layer = m.get_submodule(n)
+        assert layer.weight.dtype == torch.bfloat16 and layer.weight is params[f"{n}.weight"]
+        assert layer.bias is None or layer.bias.dtype == torch.bfloat16
+    assert m.lm_head.weight.dtype == torch.float32 and m.embed.weight.dtype == torch.float32  # not converted
+    out = m(IDS)  # fp32 activations through bf16 latent weights: the output keeps the input's dtype
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    out.square().mean().backward()
+    assert m.layers[0].fc1.weight.grad.dtype == torch.bfloat16
+    with pytest.raises(QConfigError, match="latent_dtype"):
+        quantize_(model(), {"bitnet": {"enable": True, "latent_dtype": "float16"}})

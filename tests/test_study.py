@@ -266,3 +266,21 @@ def test_zero_point_study_configs(capsys):
         scale, group, qmap = expected[path.stem]
         assert (v.enable, v.bits, v.signed, v.scale, v.map) == (True, 4, False, scale, qmap)
         assert group is None or v.group_size == group
+
+
+def test_a_bitnet_config_trains_bitnet_layers_in_a_study_run(monkeypatch):
+    """The runner converts the task's model as the config's bitnet section says (configs/bitnet.yml:
+    every block Linear; the head stays full precision), and the run trains."""
+    import qconf.study.runner as runner
+
+    task = charlm_task(n_layers=1, d_model=32, n_heads=2, context=16, batch_size=4, eval_windows=8)
+    converted = []
+    real = runner.quantize_
+    monkeypatch.setattr(runner, "quantize_", lambda model, config: converted.append(real(model, config)))
+    blocks = ["blocks.0.attn_in", "blocks.0.attn_out", "blocks.0.mlp_in", "blocks.0.mlp_out"]
+    for name in ("bitnet.yml", "bitnet_4bit_bf16.yml"):
+        r = train_run(task, load_config(CFG / name), name, 0, steps=6, lr=3e-3, eval_every=3)
+        assert r.steps_done == 6 and r.diverged_at is None and all(map(math.isfinite, r.train_loss)), name
+    assert converted == [blocks, blocks]
+    train_run(task, load_config(FP32), "fp32", 0, steps=2, lr=3e-3, eval_every=2)
+    assert len(converted) == 2  # no bitnet section: the model is left as it is

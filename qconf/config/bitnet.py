@@ -40,6 +40,7 @@ BITNET_FIELDS: Mapping[str, Spec] = FrozenDict({
     "weight_eps": Spec("float", **_EPS),
     "activation_eps": Spec("float", **_EPS),
     "activation_bits": Spec("int", 2, 8, note="8 is BitNet's int8"),
+    "latent_dtype": Spec("enum", choices=("keep", "float32", "bfloat16"), noun="latent dtype"),
 })
 
 #: Output heads keep full precision (BitNet b1.58 quantizes the blocks' linear layers only).
@@ -59,6 +60,10 @@ class BitNetConfig:
         activation_eps: floor of the per-row absmax scale of the activations (> 0).
         activation_bits: width of the activation levels, 2..8 (``2**(bits-1) - 1`` levels each
             side of zero: 127 at 8 bits).
+        latent_dtype: the dtype :func:`qconf.nn.quantize_` gives the converted layers' latent
+            ``weight``/``bias``: ``keep`` (the Linear's own, default), ``float32`` or ``bfloat16``
+            (with ``weights: {rounding: stochastic}`` the optimizer rounds updates into them
+            stochastically).
 
     Lists are stored as tuples; constructing validates like loading (``QConfigError``).
     """
@@ -69,6 +74,7 @@ class BitNetConfig:
     weight_eps: float = 1e-5
     activation_eps: float = 1e-5
     activation_bits: int = 8
+    latent_dtype: str = "keep"
 
     def __post_init__(self) -> None:
         rep = Reporter("<BitNetConfig>")

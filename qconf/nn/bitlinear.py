@@ -76,24 +76,26 @@ def integer_matmul(a: torch.Tensor, b: torch.Tensor, bound: int) -> torch.Tensor
 
 def bit_linear_product(x_levels: torch.Tensor, x_scales: torch.Tensor, w_levels: torch.Tensor,
                        w_scales: torch.Tensor, bias: torch.Tensor | None, activation_codec: Codec,
-                       weight_codec: Codec) -> torch.Tensor:
+                       weight_codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 2-3 of the forward (module docstring): fp32 ``[M, N]`` ``A / (fx * fw) (+ b)`` from
     int8 ``x_levels [M, K]`` with fp32 ``x_scales [M]`` and int8 ``w_levels [N, K]`` with fp32
-    ``w_scales [1]``. Shared by training (:class:`BitLinear`) and inference
-    (:class:`qconf.nn.BitLinearInference`), so that both give the same bits."""
+    ``w_scales [1]``, written into ``out`` (fp32 ``[M, N]``) when given. Shared by training
+    (:class:`BitLinear`) and inference (:class:`qconf.nn.BitLinearInference`), so that both give
+    the same bits."""
     acc = integer_matmul(x_levels, w_levels, _mrq(activation_codec) * _mrq(weight_codec))
-    return rescale_(acc, x_scales, w_scales, bias, activation_codec, weight_codec)
+    return rescale_(acc, x_scales, w_scales, bias, activation_codec, weight_codec, out)
 
 
 def rescale_(acc: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
-             activation_codec: Codec, weight_codec: Codec) -> torch.Tensor:
-    """Step 3 of the forward: fp32 ``acc [M, N]`` (the integer product; overwritten when there is
-    no bias) -> ``acc / fp32(fx * fw) (+ b)``, fp32 ``[M, N]``."""
+             activation_codec: Codec, weight_codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 3 of the forward: fp32 ``acc [M, N]`` (the integer product) -> ``acc / fp32(fx * fw)
+    (+ b)``, fp32 ``[M, N]``, written into ``out`` if given, else into ``acc`` when there is no bias."""
     fx, fw = level_factors(x_scales, _mrq(activation_codec)), level_factors(w_scales, _mrq(weight_codec))
     factors = fx.unsqueeze(1) * fw
     if bias is None:
-        return acc.div_(factors)
-    return torch.addcdiv(bias.to(torch.float32), acc, factors)  # b + A / f: the same two roundings, one pass
+        return acc.div_(factors) if out is None else torch.div(acc, factors, out=out)
+    # b + A / f: the same two roundings, one pass
+    return torch.addcdiv(bias.to(torch.float32), acc, factors, **({} if out is None else {"out": out}))
 
 
 def quantized_forward(x: torch.Tensor, w_levels: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
@@ -104,8 +106,13 @@ def quantized_forward(x: torch.Tensor, w_levels: torch.Tensor, w_scales: torch.T
     inside: every step is the fp32 of the module docstring."""
     with torch.autocast(x.device.type, enabled=False):
         x_levels, x_scales = activation_codec.encode_integers(x.reshape(-1, x.shape[-1]))
-        y = bit_linear_product(x_levels, x_scales, w_levels, w_scales, bias, activation_codec, weight_codec)
-    return y.to(output_dtype(x)).reshape(*x.shape[:-1], w_levels.shape[0]), x_levels, x_scales
+        # the result is written into a tensor of the output's shape, so the layer never returns a
+        # view (FSDP2 warns that an in-place op on a module's view output skips its backward hook)
+        y = torch.empty(*x.shape[:-1], w_levels.shape[0], dtype=torch.float32, device=x.device)
+        bit_linear_product(x_levels, x_scales, w_levels, w_scales, bias, activation_codec, weight_codec,
+                           y.view(-1, w_levels.shape[0]))
+    dtype = output_dtype(x)
+    return (y if dtype == torch.float32 else y.to(dtype)), x_levels, x_scales
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

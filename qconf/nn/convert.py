@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import BitNetConfig, QConfig, load_config
@@ -72,6 +73,12 @@ def quantize_(model: nn.Module, config: Any) -> list[str]:
     if skipped:
         warnings.warn("qconf.nn.quantize_ leaves subclasses of nn.Linear as they are (their forward may not be "
                       "nn.Linear's): " + ", ".join(skipped), stacklevel=2)
+    dtype = None if bitnet.latent_dtype == "keep" else getattr(torch, bitnet.latent_dtype)
     for entry in selected:
-        replace_module(model, entry.names, BitLinear.from_linear(entry.module, bitnet))
+        layer = BitLinear.from_linear(entry.module, bitnet)
+        if dtype is not None:  # in place: the Parameter objects (and an optimizer's references) stay
+            for p in (layer.weight, layer.bias):
+                if p is not None and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+        replace_module(model, entry.names, layer)
     return [e.name for e in selected]

@@ -33,6 +33,7 @@ import torch
 from ..codec import QTensor
 from ..config import QConfig, load_config
 from ..memory import memory_report
+from ..nn import quantize_
 from .. import optim as qoptim
 from .task import Task
 
@@ -221,6 +222,8 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
     opt = None
     try:
         model = task.make_model(seed)
+        if qconfig.bitnet.enable:  # BitNet b1.58 layers, as the config's bitnet section selects
+            quantize_(model, qconfig)
         model.train()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         opt = make_optimizer(optimizer, named, lr=lr, qconfig=qconfig, fused=fused, kwargs=optimizer_kwargs)
