@@ -140,11 +140,12 @@ def breakdown(shapes: list[tuple[int, int, int]], reps: int) -> list[dict]:
         xl, xs = ac.encode_integers(x)
         wl, ws = wc.encode_integers(w)
         acc, b = bl.integer_matmul(xl, wl, 127), mod.bias.detach()
+        work = acc.clone()  # rescale_ works in place: each round starts from a fresh copy of the product
         steps = {
             "encode activations (int8 per row)": lambda: ac.encode_integers(x),
             "encode weights (ternary absmean)": lambda: wc.encode_integers(w),
             "integer product (fp32 GEMM of levels)": lambda: bl.integer_matmul(xl, wl, 127),
-            "rescale + bias (addcdiv)": lambda: bl.rescale_(acc, xs, ws, b, ac, wc),
+            "rescale + bias (copy, then addcdiv in place)": lambda: bl.rescale_(work.copy_(acc), xs, ws, b, ac, wc),
             "decode weights (backward)": lambda: wc.decode_integers(wl, ws),
             "decode activations (backward)": lambda: ac.decode_integers(xl, xs),
             "grad_x GEMM": lambda: g @ wc.decode_integers(wl, ws),

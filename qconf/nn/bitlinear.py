@@ -24,8 +24,9 @@ Backward, straight-through (the rounding and the clamps count as the identity), 
 ``grad_x = g @ Wq`` with ``Wq = weight_codec.decode_integers(Wk, sw)`` (``Wk / fw``, the ternary
 weights the forward used), ``grad_W = g^T @ Xq`` with ``Xq = activation_codec.decode_integers(Xk,
 sx)``, ``grad_b = g.sum(0)``; each cast to its input's dtype. Saved for backward: ``Xk`` (int8),
-``sx`` (fp32 per row), ``Wk`` (int8) and ``sw`` -- 1 byte per input element instead of fp32's 4,
-and never the fp32 input.
+``sx`` (fp32 per row) and the latent weight by reference (``Wk, sw`` are encoded from it again in
+backward -- the same levels, as the weight has not changed; autograd's version check refuses an
+in-place change in between) -- 1 byte per input element instead of fp32's 4, never the fp32 input.
 """
 from __future__ import annotations
 
@@ -63,15 +64,18 @@ def _uses_int_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type == "cpu" and _CPU_INT_MM_FAST
 
 
-def integer_matmul(a: torch.Tensor, b: torch.Tensor, bound: int) -> torch.Tensor:
+def integer_matmul(a: torch.Tensor, b: torch.Tensor, bound: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[M, N]`` of the exact integer product ``a @ b.T`` of int8 ``a [M, K]`` and int8
-    ``b [N, K]`` whose entries are at most ``bound`` in magnitude, rounded once to fp32."""
+    ``b [N, K]`` whose entries are at most ``bound`` in magnitude, rounded once to fp32; written
+    into ``out`` (fp32 ``[M, N]``) when given."""
     k = a.shape[1]
+    if bound * k <= _FP32_EXACT and not _uses_int_mm(a, b):  # every partial sum is an integer fp32 holds exactly
+        return torch.mm(a.to(torch.float32), b.to(torch.float32).t(), out=out)
     if _uses_int_mm(a, b):
-        return torch._int_mm(a, b.t()).to(torch.float32)
-    if bound * k <= _FP32_EXACT:  # every partial sum is an integer fp32 holds exactly
-        return a.to(torch.float32) @ b.to(torch.float32).t()
-    return (a.to(torch.float64) @ b.to(torch.float64).t()).to(torch.float32)
+        acc = torch._int_mm(a, b.t())
+    else:
+        acc = a.to(torch.float64) @ b.to(torch.float64).t()
+    return acc.to(torch.float32) if out is None else out.copy_(acc)
 
 
 def bit_linear_product(x_levels: torch.Tensor, x_scales: torch.Tensor, w_levels: torch.Tensor,
@@ -82,20 +86,20 @@ def bit_linear_product(x_levels: torch.Tensor, x_scales: torch.Tensor, w_levels:
     ``w_scales [1]``, written into ``out`` (fp32 ``[M, N]``) when given. Shared by training
     (:class:`BitLinear`) and inference (:class:`qconf.nn.BitLinearInference`), so that both give
     the same bits."""
-    acc = integer_matmul(x_levels, w_levels, _mrq(activation_codec) * _mrq(weight_codec))
-    return rescale_(acc, x_scales, w_scales, bias, activation_codec, weight_codec, out)
+    acc = integer_matmul(x_levels, w_levels, _mrq(activation_codec) * _mrq(weight_codec), out)
+    return rescale_(acc, x_scales, w_scales, bias, activation_codec, weight_codec)
 
 
 def rescale_(acc: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
-             activation_codec: Codec, weight_codec: Codec, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Step 3 of the forward: fp32 ``acc [M, N]`` (the integer product) -> ``acc / fp32(fx * fw)
-    (+ b)``, fp32 ``[M, N]``, written into ``out`` if given, else into ``acc`` when there is no bias."""
+             activation_codec: Codec, weight_codec: Codec) -> torch.Tensor:
+    """Step 3 of the forward, in place: fp32 ``acc [M, N]`` (the integer product) becomes
+    ``acc / fp32(fx * fw) (+ b)`` (no new buffer: a fresh [M, N] one costs its page faults)."""
     fx, fw = level_factors(x_scales, _mrq(activation_codec)), level_factors(w_scales, _mrq(weight_codec))
     factors = fx.unsqueeze(1) * fw
     if bias is None:
-        return acc.div_(factors) if out is None else torch.div(acc, factors, out=out)
+        return acc.div_(factors)
     # b + A / f: the same two roundings, one pass
-    return torch.addcdiv(bias.to(torch.float32), acc, factors, **({} if out is None else {"out": out}))
+    return torch.addcdiv(bias.to(torch.float32), acc, factors, out=acc)
 
 
 def quantized_forward(x: torch.Tensor, w_levels: torch.Tensor, w_scales: torch.Tensor, bias: torch.Tensor | None,
@@ -130,7 +134,9 @@ class _BitLinearFunction(torch.autograd.Function):
                 weight_codec: Codec, activation_codec: Codec) -> torch.Tensor:
         w_levels, w_scales = weight_codec.encode_integers(weight)
         y, x_levels, x_scales = quantized_forward(x, w_levels, w_scales, bias, weight_codec, activation_codec)
-        ctx.save_for_backward(x_levels, x_scales, w_levels, w_scales)
+        # the weight is saved by reference (no memory: it is the Parameter) and encoded again in
+        # backward, which costs one more pass over it but keeps only int8 activations alive
+        ctx.save_for_backward(x_levels, x_scales, weight)
         ctx.codecs = (weight_codec, activation_codec)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.x_shape = x.shape
@@ -138,8 +144,9 @@ class _BitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_levels, x_scales, w_levels, w_scales = ctx.saved_tensors
+        x_levels, x_scales, weight = ctx.saved_tensors
         weight_codec, activation_codec = ctx.codecs
+        w_levels, w_scales = weight_codec.encode_integers(weight)  # the forward's levels: the weight is unchanged
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
