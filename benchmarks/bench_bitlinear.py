@@ -33,6 +33,7 @@ from torch import nn
 from qconf._table import format_table
 from qconf.nn import BitLinear
 from qconf.nn import bitlinear as bl
+from qconf.memory import saved_bytes
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -70,23 +71,6 @@ def _contenders(k: int, n: int) -> dict[str, tuple[nn.Module, torch.dtype]]:
         "bitlinear fp32": (BitLinear(k, n), torch.float32),
         "bitlinear bf16": (BitLinear(k, n, dtype=torch.bfloat16), torch.bfloat16),
     }
-
-
-def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """(all bytes autograd saves for backward in one forward, those that are not parameters)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    total = act = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total, act
-        size = t.numel() * t.element_size()
-        total += size
-        act += 0 if t.untyped_storage().data_ptr() in params else size
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return total, act
 
 
 def layer_table(shapes: list[tuple[int, int, int]], reps: int, slow_reps: int) -> list[dict]:

@@ -1,4 +1,5 @@
-"""``memory_report(opt)``: optimizer-state bytes per state per parameter, totals, fp32 equivalent.
+"""``memory_report(opt)``: optimizer-state bytes per state per parameter, totals, fp32 equivalent;
+``saved_bytes(module, x)``: the bytes autograd keeps for backward (activations vs parameters).
 
 Bytes come from the state tensors where they exist (a ``QTensor``'s packed codes + scales, or an
 fp32 tensor's storage) and from the plan before the first step; both agree. ``step`` counters are
@@ -142,3 +143,23 @@ def _row(opt: Any, index: int, p: torch.Tensor, group: dict[str, Any]) -> Memory
                              else describe_codec(codec, spec.shape))
     fp32 = 4 * math.prod(shape) * opt.fp32_state_count(group)
     return MemoryRow(opt.param_name(index) or f"param{index}", shape, states, formats, fp32)
+
+
+def saved_bytes(module: torch.nn.Module, *inputs: Any) -> tuple[int, int]:
+    """Bytes autograd keeps for backward during one ``module(*inputs)`` (counted with
+    ``torch.autograd.graph.saved_tensors_hooks``): ``(total, activations)``, where ``activations``
+    leaves out tensors that share storage with the module's parameters (a saved Parameter costs
+    no extra memory). Runs the forward once; returns ints."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    total = act = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total, act
+        size = t.numel() * t.element_size()
+        total += size
+        act += 0 if t.untyped_storage().data_ptr() in params else size
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    return total, act

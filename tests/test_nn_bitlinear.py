@@ -12,6 +12,7 @@ import qconf
 from qconf.config import BitNetConfig
 from qconf.nn import BitLinear, bit_linear
 from qconf.nn import bitlinear as bl
+from qconf.memory import saved_bytes
 
 
 # -- the reference: BitNet's "Training Tips, Code and FAQ" quantizers --------------------------------------
@@ -111,24 +112,6 @@ def test_bf16_weights_inputs_and_autocast():
     assert x32.grad.dtype == m32.weight.grad.dtype == torch.float32
     gx, gw, _ = ref_grads(x32, m32.weight, torch.ones(3, 4, 20, dtype=torch.bfloat16))
     assert same(x32.grad, gx) and same(m32.weight.grad, gw)
-
-
-def saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """(bytes of every tensor autograd saves for backward during one forward, the part that is not
-    a parameter: the activations a training step keeps alive)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    total = act = 0
-
-    def pack(t):
-        nonlocal total, act
-        size = t.numel() * t.element_size()
-        total += size
-        act += 0 if t.untyped_storage().data_ptr() in params else size
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return total, act
 
 
 def test_saved_activations_are_a_third_of_fp32_linear_or_less():
