@@ -235,19 +235,22 @@ class FusedStepper:
     def step(self, group_id: int, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]],
              hyper: Hyper, seed: int) -> None:
         """One eager step of the group ``group_id`` (see :meth:`plan`)."""
+        self._eager_plan(group_id, key, describe).run(self.hyper_values(hyper), _signed64(seed))
+
+    def _eager_plan(self, group_id: Hashable, key: Callable[[], Hashable],
+                    describe: Callable[[], Sequence[FusedParam]]) -> GroupPlan:
+        """:meth:`plan` for an eager step: a one-shot plan is used once and dropped."""
         plan = self.plan(group_id, key, describe)
         if plan.one_shot:
             self._plans.pop(group_id, None)
-        plan.run(self.hyper_values(hyper), _signed64(seed))
+        return plan
 
     def reduce(self, group_id: Hashable, key: Callable[[], Hashable], describe: Callable[[], Sequence[FusedParam]],
                hyper: Hyper, seed: int, grads: Sequence[torch.Tensor]) -> tuple[GroupPlan, torch.Tensor, torch.Tensor]:
         """The first half of a split step (:meth:`GroupPlan.reduce`) of the plan ``group_id`` (see
         :meth:`plan`); returns the plan, whose :meth:`GroupPlan.apply` completes the step, and the
         ``(maxima, offsets)`` of its two-pass states."""
-        plan = self.plan(group_id, key, describe)
-        if plan.one_shot:
-            self._plans.pop(group_id, None)
+        plan = self._eager_plan(group_id, key, describe)
         maxima, offsets = plan.reduce(self.hyper_values(hyper), seed, grads)
         return plan, maxima, offsets
 
