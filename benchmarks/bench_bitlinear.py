@@ -15,9 +15,10 @@ AVX-512 BF16 its GEMMs take seconds (its first call is not slower than the next)
 keeps for backward (summed with saved_tensors_hooks: activations and weights alike), ``act B`` the
 part that is not a parameter.
 
-First it times the matrix products themselves (``torch._int_mm`` int8 x int8 -> int32 once, since
-without AVX-512 VNNI torch runs it as a scalar loop, against fp32 and bf16 ``mm``), and with
-``--breakdown`` each step of BitLinear's forward and backward, to say where the time goes.
+First it times the matrix products themselves: qconf's int8 x ternary kernel (``qconf.ops.ternary_mm``,
+AVX2; what BitLinear's forward uses on this CPU), ``torch._int_mm`` int8 x int8 -> int32 once (without
+AVX-512 VNNI torch runs it as a scalar loop), fp32 and bf16 ``mm``; with ``--breakdown`` each step of
+BitLinear's forward and backward, to say where the time goes.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from qconf._table import format_table
 from qconf.nn import BitLinear
 from qconf.nn import bitlinear as bl
 from qconf.memory import saved_bytes
+from qconf.ops import ternary_mm
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -53,8 +55,10 @@ def matmul_table(shapes: list[tuple[int, int, int]], reps: int, int_mm: bool) ->
         a, b = torch.randint(-127, 128, (m, k), dtype=torch.int8), torch.randint(-1, 2, (n, k), dtype=torch.int8)
         af, bf = a.float(), b.float()
         ab, bb = a.bfloat16(), b.bfloat16()
-        row = {"shape": f"{m}x{k}x{n}", "fp32_ms": 1e3 * _time(lambda: af @ bf.t(), reps),
-               "bf16_ms": 1e3 * _time(lambda: ab @ bb.t(), max(1, reps // 3))}
+        out = torch.empty(m, n)
+        row = {"shape": f"{m}x{k}x{n}", "fp32_ms": 1e3 * _time(lambda: torch.mm(af, bf.t(), out=out), reps),
+               "bf16_ms": 1e3 * _time(lambda: ab @ bb.t(), max(1, reps // 3)),
+               "qconf_ms": 1e3 * _time(lambda: ternary_mm(a, b, out), reps) if bl._TERNARY_MM else float("nan")}
         if int_mm:  # one call: it can take seconds (torch's scalar fallback)
             t = time.perf_counter()
             torch._int_mm(a, b.t())
@@ -123,12 +127,12 @@ def breakdown(shapes: list[tuple[int, int, int]], reps: int) -> list[dict]:
         w = mod.weight.detach()
         xl, xs = ac.encode_integers(x)
         wl, ws = wc.encode_integers(w)
-        acc, b = bl.integer_matmul(xl, wl, 127), mod.bias.detach()
+        acc, b = bl.integer_matmul(xl, wl, 127, 1), mod.bias.detach()
         work = acc.clone()  # rescale_ works in place: each round starts from a fresh copy of the product
         steps = {
             "encode activations (int8 per row)": lambda: ac.encode_integers(x),
             "encode weights (ternary absmean)": lambda: wc.encode_integers(w),
-            "integer product (fp32 GEMM of levels)": lambda: bl.integer_matmul(xl, wl, 127),
+            f"integer product ({_product_path()})": lambda: bl.integer_matmul(xl, wl, 127, 1, work),
             "rescale + bias (copy, then addcdiv in place)": lambda: bl.rescale_(work.copy_(acc), xs, ws, b, ac, wc),
             "decode weights (backward)": lambda: wc.decode_integers(wl, ws),
             "decode activations (backward)": lambda: ac.decode_integers(xl, xs),
@@ -139,6 +143,12 @@ def breakdown(shapes: list[tuple[int, int, int]], reps: int) -> list[dict]:
         for step, fn in steps.items():
             rows.append({"shape": f"{m}x{k}x{n}", "step": step, "ms": 1e3 * _time(fn, reps)})
     return rows
+
+
+def _product_path() -> str:
+    if bl._TERNARY_MM:
+        return "qconf AVX2 int8 kernel"
+    return "torch._int_mm" if bl._CPU_INT_MM_FAST else "fp32 GEMM of the levels"
 
 
 def _shapes(text: str) -> list[tuple[int, int, int]]:
@@ -158,10 +168,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     shapes = _shapes(args.shapes)
     print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"AVX-512 VNNI: {torch.cpu._is_vnni_supported()}, BitLinear uses torch._int_mm: {bl._CPU_INT_MM_FAST}\n")
-    out: dict = {"threads": args.threads, "torch": torch.__version__, "int_mm_used": bl._CPU_INT_MM_FAST}
+          f"AVX-512 VNNI: {torch.cpu._is_vnni_supported()}; BitLinear's integer product: {_product_path()}\n")
+    out: dict = {"threads": args.threads, "torch": torch.__version__, "product": _product_path()}
     out["matmul"] = matmul_table(shapes, args.reps, not args.no_int_mm)
-    cols = ["shape", "fp32_ms", "bf16_ms"] + ([] if args.no_int_mm else ["int_mm_ms"])
+    cols = ["shape", "fp32_ms", "bf16_ms", "qconf_ms"] + ([] if args.no_int_mm else ["int_mm_ms"])
     print("# matrix product [M,K] @ [K,N] alone, ms")
     print(format_table(cols, [[r[c] for c in cols] for r in out["matmul"]], float_format=".1f") + "\n")
     out["layers"] = layer_table(shapes, args.reps, args.slow_reps)

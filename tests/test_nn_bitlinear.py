@@ -13,6 +13,7 @@ from qconf.config import BitNetConfig
 from qconf.nn import BitLinear, bit_linear
 from qconf.nn import bitlinear as bl
 from qconf.memory import saved_bytes
+from qconf.ops import ternary_mm_available
 
 
 # -- the reference: BitNet's "Training Tips, Code and FAQ" quantizers --------------------------------------
@@ -119,9 +120,9 @@ def test_saved_activations_are_a_third_of_fp32_linear_or_less():
     x = torch.randn(rows, k, requires_grad=True)
     bit, ref = make(k, n), nn.Linear(k, n)
     (got_total, got), (fp32_total, fp32) = saved_bytes(bit, x), saved_bytes(ref, x)
-    # BitLinear: int8 input levels + fp32 row scales (and the weight Parameter by reference);
-    # nn.Linear: the fp32 input (and the weight by reference)
-    assert got == rows * k + 4 * rows and got_total == got + 4 * n * k
+    # BitLinear: int8 input levels + fp32 row scales + the fp32 weight scale (and the weight
+    # Parameter by reference); nn.Linear: the fp32 input (and the weight by reference)
+    assert got == rows * k + 4 * rows + 4 and got_total == got + 4 * n * k
     assert fp32 == 4 * rows * k and fp32_total == fp32 + 4 * n * k
     assert 3 * got <= fp32
 
@@ -131,15 +132,35 @@ def test_integer_product_paths_are_exact(monkeypatch):
     a = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
     b = torch.randint(-1, 2, (24, 64), dtype=torch.int8)
     exact = (a.long() @ b.long().t()).float()
-    assert same(bl.integer_matmul(a, b, 127), exact)  # fp32 GEMM of the levels
-    assert same(bl.integer_matmul(a, b, 1 << 24), exact)  # float64 beyond the fp32-exact bound
+    assert bl._uses_ternary_mm(a, 1) == ternary_mm_available() and not bl._uses_ternary_mm(a, 2)
+    assert same(bl.integer_matmul(a, b, 127, 1), exact)  # qconf's AVX2 kernel (here)
+    monkeypatch.setattr(bl, "_TERNARY_MM", False)
+    assert same(bl.integer_matmul(a, b, 127, 1), exact)  # fp32 GEMM of the levels
+    assert same(bl.integer_matmul(a, b, 127, 1 << 17), exact)  # float64 beyond the fp32-exact bound
     monkeypatch.setattr(bl, "_CPU_INT_MM_FAST", True)
     assert bl._uses_int_mm(a, b)
-    assert same(bl.integer_matmul(a, b, 127), exact)  # torch._int_mm
+    assert same(bl.integer_matmul(a, b, 127, 1), exact)  # torch._int_mm
     big = torch.full((2, 4), 127, dtype=torch.int8), torch.full((3, 4), 127, dtype=torch.int8)
     monkeypatch.setattr(bl, "_FP32_EXACT", 8)  # pretend K is past the fp32 bound: rounds once, like int32 -> fp32
     monkeypatch.setattr(bl, "_CPU_INT_MM_FAST", False)
-    assert same(bl.integer_matmul(*big, 127), torch.full((2, 3), 4 * 127 * 127.0))
+    assert same(bl.integer_matmul(*big, 127, 127), torch.full((2, 3), 4 * 127 * 127.0))
+
+
+@pytest.mark.skipif(not ternary_mm_available(), reason="needs AVX2")
+def test_ternary_kernel_gives_the_fp32_paths_bits(monkeypatch):
+    """The whole layer, forward and backward, is the same with and without qconf's int8 kernel."""
+    torch.manual_seed(3)
+    m = make(300, 130)
+    x = torch.randn(5, 67, 300) * 3
+    runs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(bl, "_TERNARY_MM", kernel)
+        xi = x.clone().requires_grad_()
+        m.zero_grad()
+        y = m(xi)
+        y.backward(torch.cos(y))
+        runs.append((y.detach(), xi.grad, m.weight.grad.clone(), m.bias.grad.clone()))
+    assert all(same(a, b) for a, b in zip(*runs))
 
 
 def test_functional_and_errors():

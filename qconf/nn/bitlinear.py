@@ -9,10 +9,10 @@ and an optional bias ``b [N]``, with the two codecs of :class:`~qconf.config.Bit
    scale ``sw = max(mean|W|, weight_eps)``. Both round ``x * f`` half to even with the codec's
    factor ``f = fp32(1 / s) * MRQ`` (torch's ``MRQ / s``, BitNet's ``scale``).
 2. ``A = Xk @ Wk^T``, the exact integer product (int32 range: ``|A| <= MRQ * K``), converted to
-   fp32 (exact while ``MRQ * K <= 2**24``; rounded to nearest even beyond). Computed by
-   ``torch._int_mm`` where it is fast and exact (CUDA with ``M > 16`` and ``K``, ``N`` multiples
-   of 8; a CPU with AVX-512 VNNI, where torch runs it on oneDNN -- elsewhere torch's CPU
-   ``_int_mm`` is a scalar triple loop, ~50x slower than fp32 GEMM), else as an fp32 matmul of the
+   fp32 (exact while ``MRQ * K <= 2**24``; rounded to nearest even beyond). :func:`integer_matmul`
+   computes it on a CPU with AVX2 by qconf's own kernel (:func:`qconf.ops.ternary_mm`: vpmaddubsw
+   on the bytes, int16 then int32 sums, ~2.5x faster than an fp32 GEMM here); on CUDA (``M > 16``,
+   ``K`` and ``N`` multiples of 8) by ``torch._int_mm``; elsewhere as an fp32 matmul of the
    levels, which is exact because every partial sum is an integer of magnitude
    ``<= MRQ * K <= 2**24``, or a float64 matmul beyond that bound (``K > 132104`` at 8 bits).
 3. ``y = A / (fx * fw) (+ b)``, all fp32: ``fx [M, 1]`` and ``fw`` are the two codecs' factors,
@@ -24,9 +24,9 @@ Backward, straight-through (the rounding and the clamps count as the identity), 
 ``grad_x = g @ Wq`` with ``Wq = weight_codec.decode_integers(Wk, sw)`` (``Wk / fw``, the ternary
 weights the forward used), ``grad_W = g^T @ Xq`` with ``Xq = activation_codec.decode_integers(Xk,
 sx)``, ``grad_b = g.sum(0)``; each cast to its input's dtype. Saved for backward: ``Xk`` (int8),
-``sx`` (fp32 per row) and the latent weight by reference (``Wk, sw`` are encoded from it again in
-backward -- the same levels, as the weight has not changed; autograd's version check refuses an
-in-place change in between) -- 1 byte per input element instead of fp32's 4, never the fp32 input.
+``sx`` (fp32 per row), ``sw`` and the latent weight by reference (``Wk`` is rounded from it and
+``sw`` again in backward -- the same levels, as the weight has not changed; autograd's version
+check refuses an in-place change in between) -- 1 byte per input element instead of fp32's 4, never the fp32 input.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from ..codec import Codec
 from ..codec.integer import level_factors
 from ..codec.qmap import integer_grid_mrq
 from ..config import BitNetConfig
+from ..ops import ternary_mm, ternary_mm_available
 
 __all__ = ["BitLinear", "bit_linear", "bit_linear_product", "quantized_forward", "output_dtype", "integer_matmul",
            "rescale_"]
@@ -47,7 +48,11 @@ __all__ = ["BitLinear", "bit_linear", "bit_linear_product", "quantized_forward",
 #: scalar loop (aten/src/ATen/native/LinearAlgebra.cpp, ``_int_mm_out_cpu``). Read once, at import.
 _CPU_INT_MM_FAST = bool(getattr(torch.cpu, "_is_vnni_supported", lambda: False)()) and \
     torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+#: qconf's int8 x ternary kernel runs here (AVX2; QCONF_CPU_ISA read once, at import, so that the
+#: choice is a constant to torch.compile).
+_TERNARY_MM = ternary_mm_available()
 _FP32_EXACT = 1 << 24  # every integer of magnitude <= 2**24 is an fp32 number
+_TERNARY_MM_MAX_K = 1 << 22
 
 
 def _mrq(codec: Codec) -> int:
@@ -64,18 +69,26 @@ def _uses_int_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device.type == "cpu" and _CPU_INT_MM_FAST
 
 
-def integer_matmul(a: torch.Tensor, b: torch.Tensor, bound: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def _uses_ternary_mm(a: torch.Tensor, b_bound: int) -> bool:
+    return _TERNARY_MM and b_bound <= 1 and a.device.type == "cpu" and a.shape[1] <= _TERNARY_MM_MAX_K
+
+
+def integer_matmul(a: torch.Tensor, b: torch.Tensor, a_bound: int, b_bound: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[M, N]`` of the exact integer product ``a @ b.T`` of int8 ``a [M, K]`` and int8
-    ``b [N, K]`` whose entries are at most ``bound`` in magnitude, rounded once to fp32; written
-    into ``out`` (fp32 ``[M, N]``) when given."""
+    ``b [N, K]`` whose entries are at most ``a_bound`` and ``b_bound`` in magnitude, each sum
+    rounded once to fp32; written into ``out`` (contiguous fp32 ``[M, N]``) when given. The path
+    (module docstring, step 2) never changes the result."""
     k = a.shape[1]
-    if bound * k <= _FP32_EXACT and not _uses_int_mm(a, b):  # every partial sum is an integer fp32 holds exactly
-        return torch.mm(a.to(torch.float32), b.to(torch.float32).t(), out=out)
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+    if _uses_ternary_mm(a, b_bound):
+        return ternary_mm(a, b, out)
     if _uses_int_mm(a, b):
-        acc = torch._int_mm(a, b.t())
-    else:
-        acc = a.to(torch.float64) @ b.to(torch.float64).t()
-    return acc.to(torch.float32) if out is None else out.copy_(acc)
+        return out.copy_(torch._int_mm(a, b.t()))
+    if a_bound * b_bound * k <= _FP32_EXACT:  # every partial sum is an integer fp32 holds exactly
+        return torch.mm(a.to(torch.float32), b.to(torch.float32).t(), out=out)
+    return out.copy_(a.to(torch.float64) @ b.to(torch.float64).t())
 
 
 def bit_linear_product(x_levels: torch.Tensor, x_scales: torch.Tensor, w_levels: torch.Tensor,
@@ -86,7 +99,7 @@ def bit_linear_product(x_levels: torch.Tensor, x_scales: torch.Tensor, w_levels:
     ``w_scales [1]``, written into ``out`` (fp32 ``[M, N]``) when given. Shared by training
     (:class:`BitLinear`) and inference (:class:`qconf.nn.BitLinearInference`), so that both give
     the same bits."""
-    acc = integer_matmul(x_levels, w_levels, _mrq(activation_codec) * _mrq(weight_codec), out)
+    acc = integer_matmul(x_levels, w_levels, _mrq(activation_codec), _mrq(weight_codec), out)
     return rescale_(acc, x_scales, w_scales, bias, activation_codec, weight_codec)
 
 
@@ -134,9 +147,10 @@ class _BitLinearFunction(torch.autograd.Function):
                 weight_codec: Codec, activation_codec: Codec) -> torch.Tensor:
         w_levels, w_scales = weight_codec.encode_integers(weight)
         y, x_levels, x_scales = quantized_forward(x, w_levels, w_scales, bias, weight_codec, activation_codec)
-        # the weight is saved by reference (no memory: it is the Parameter) and encoded again in
-        # backward, which costs one more pass over it but keeps only int8 activations alive
-        ctx.save_for_backward(x_levels, x_scales, weight)
+        # the weight is saved by reference (no memory: it is the Parameter) with its scale and
+        # rounded again in backward, which costs one more pass over it but keeps only int8
+        # activations alive
+        ctx.save_for_backward(x_levels, x_scales, weight, w_scales)
         ctx.codecs = (weight_codec, activation_codec)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.x_shape = x.shape
@@ -144,9 +158,10 @@ class _BitLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_levels, x_scales, weight = ctx.saved_tensors
+        x_levels, x_scales, weight, w_scales = ctx.saved_tensors
         weight_codec, activation_codec = ctx.codecs
-        w_levels, w_scales = weight_codec.encode_integers(weight)  # the forward's levels: the weight is unchanged
+        # the forward's levels: the weight is unchanged (autograd's version check), so is its scale
+        w_levels, _ = weight_codec.encode_integers(weight, scales=w_scales)
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
