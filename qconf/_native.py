@@ -24,7 +24,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
     _C = None
     _IMPORT_ERROR = str(e)
 
-__all__ = ["native_available", "native_error", "fused_available", "has_cuda_kernels", "layout"]
+__all__ = ["native_available", "native_error", "fused_available", "has_cuda_kernels", "layout", "row_kernels"]
 
 
 def native_available() -> bool:
@@ -59,3 +59,14 @@ def layout() -> Mapping[str, int]:
         raise RuntimeError(f"the native layout needs the extension qconf._C ({native_error()})")
     return types.MappingProxyType(dict(torch.ops.qconf.layout()))
 
+
+def row_kernels(*tensors: torch.Tensor) -> bool:
+    """True when the integer codec's row passes (``torch.ops.qconf.absmax_rows``, ``round_levels``,
+    ``divide_levels``; csrc/cpu/integer_codec.cpp) should run on ``tensors``: the extension has
+    them, every tensor is a 2-D CPU tensor (a Parameter too) that autograd does not track here
+    (grad mode off, or no grad required), and torch.compile is not tracing (it fuses the reference
+    ops itself)."""
+    grad = torch.is_grad_enabled()
+    return (_C is not None and hasattr(torch.ops.qconf, "round_levels") and not torch.compiler.is_compiling()
+            and all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and t.dim() == 2
+                    and t.device.type == "cpu" and not (grad and t.requires_grad) for t in tensors))

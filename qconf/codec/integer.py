@@ -17,11 +17,15 @@ stored scale ``s`` (fp32; one per block, see :mod:`qconf.codec.scales`):
   values (a level has no sign of zero, so BitNet's ``-0.0`` comes back as ``+0.0``). A zero
   scale decodes to zeros (``k / inf``).
 
-All of it is elementwise torch on ``x``'s device, with no packing and no table lookup.
+All of it is elementwise torch on ``x``'s device, with no packing and no table lookup. On a 2-D
+CPU tensor with one factor per row (or one for all) the two passes run natively instead, one pass
+each and no temporaries (``torch.ops.qconf.round_levels`` / ``divide_levels``), with the same bits.
 """
 from __future__ import annotations
 
 import torch
+
+from .._native import row_kernels
 
 __all__ = ["level_factors", "round_to_levels", "levels_to_values"]
 
@@ -36,6 +40,9 @@ def round_to_levels(x32: torch.Tensor, factors: torch.Tensor, mrq: int) -> torch
     """int8 levels ``clamp(round_half_even(x32 * factors), -MRQ, MRQ)`` of fp32 ``x32``;
     ``factors`` is fp32 and broadcasts to ``x32`` (one factor per element, e.g. a broadcast view).
     NaN products become 0; the result has ``x32``'s shape."""
+    rows = _row_factors(x32, factors)
+    if rows is not None:
+        return torch.ops.qconf.round_levels(x32, rows, mrq)
     t = x32 * factors
     t.round_().clamp_(-mrq, mrq)  # torch.round is half-to-even; clamp maps +-inf to +-MRQ, keeps NaN
     t.nan_to_num_(nan=0.0)
@@ -45,4 +52,18 @@ def round_to_levels(x32: torch.Tensor, factors: torch.Tensor, mrq: int) -> torch
 def levels_to_values(levels: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """fp32 ``levels / factors`` (the fp32 division of BitNet's ``q / scale``); ``levels`` any
     integer dtype, ``factors`` fp32 broadcasting to it. Returns fp32 in ``levels``' shape."""
-    return levels.to(torch.float32) / factors
+    rows = _row_factors(levels, factors)
+    if rows is not None:
+        return torch.ops.qconf.divide_levels(levels, rows)
+    return levels.to(torch.float32).div_(factors)
+
+
+def _row_factors(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor | None:
+    """The 1-D factors (one per row, or one for all) of a 2-D ``x`` whose ``factors`` are constant
+    along each row (a broadcast view, as ``expand_factors`` gives for ``dim0`` and ``tensor``), when
+    the native row passes apply; else None."""
+    if factors.dtype != torch.float32 or factors.shape != x.shape or x.numel() == 0 or not row_kernels(x, factors):
+        return None
+    if factors.stride(1) != 0 and x.shape[1] > 1:
+        return None
+    return (factors[:1, 0] if factors.stride(0) == 0 else factors[:, 0]).contiguous()

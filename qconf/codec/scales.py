@@ -50,6 +50,8 @@ import math
 
 import torch
 
+from .._native import row_kernels
+
 SCALE_TYPES = ("tensor", "dim0", "dim1", "group", "rank1")
 STATISTICS = ("absmax", "absmean")
 #: Scale types that take ``absmean`` (rank1's min over per-dim statistics is a bound only for absmax).
@@ -94,6 +96,8 @@ def _finite_abs(a: torch.Tensor) -> torch.Tensor:
 def _absmax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max|a| over the finite elements (NaN and +-Inf count as 0, so the result is finite); a
     nonzero maximum below FLT_MIN is raised to FLT_MIN."""
+    if dim == 1 and a.dtype == torch.float32 and row_kernels(a):  # one native pass, no temporary
+        return floor_scales(torch.ops.qconf.absmax_rows(a))
     a = _finite_abs(a)
     return floor_scales(a.amax() if dim is None else a.amax(dim=dim))
 
