@@ -123,3 +123,12 @@ def test_scalar_isa_is_refused():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "qconf::ternary_mm needs AVX2; this CPU (or QCONF_CPU_ISA) gives scalar" in done.stdout
+
+
+def test_an_unusable_isa_override_does_not_break_import():
+    """QCONF_CPU_ISA naming no ISA: qconf.nn still imports (BitLinear takes the fp32 GEMM path); the
+    kernels say what is wrong when they run."""
+    code = ("import os; os.environ['QCONF_CPU_ISA'] = 'sse9'\n"
+            "import qconf.nn\nfrom qconf.nn import bitlinear\nassert not bitlinear._TERNARY_MM\nprint('imported')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr

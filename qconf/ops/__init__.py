@@ -29,8 +29,14 @@ def fused_step(rule: int, params: list[torch.Tensor], grads: list[torch.Tensor],
 
 def ternary_mm_available() -> bool:
     """True when :func:`ternary_mm` runs here: the extension has it and the CPU gives AVX2 (read
-    now, with ``QCONF_CPU_ISA`` honoured)."""
-    return fused_available() and hasattr(torch.ops.qconf, "ternary_mm") and torch.ops.qconf.cpu_isa() != "scalar"
+    now, with ``QCONF_CPU_ISA`` honoured; an unusable QCONF_CPU_ISA reads as False here and is an
+    error where a kernel runs)."""
+    if not (fused_available() and hasattr(torch.ops.qconf, "ternary_mm")):
+        return False
+    try:
+        return torch.ops.qconf.cpu_isa() != "scalar"
+    except (RuntimeError, ValueError):
+        return False
 
 
 def ternary_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
