@@ -181,10 +181,11 @@ class Codec:
         n = torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)  # r = inf <=> scale 0
         return n, scales
 
-    def _scales(self, x32: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        """x32's own stored scales, or the given ``scales`` after checking their dtype and count."""
+    def _scales(self, x32: torch.Tensor, scales: torch.Tensor | None, native_rows: bool = False) -> torch.Tensor:
+        """x32's own stored scales, or the given ``scales`` after checking their dtype and count;
+        ``native_rows``: see :func:`compute_scales`."""
         if scales is None:
-            return compute_scales(x32, self.scale, self.group_size, self.statistic, self.min_scale)
+            return compute_scales(x32, self.scale, self.group_size, self.statistic, self.min_scale, native_rows)
         if scales.dtype != torch.float32 or scales.shape != (self.num_scales(x32.shape),):
             raise ValueError(f"scales must be 1-D float32 with {self.num_scales(x32.shape)} values for shape "
                              f"{tuple(x32.shape)}, got {scales.dtype} {tuple(scales.shape)}")
@@ -273,7 +274,7 @@ class Codec:
         """
         mrq = self._check_integer("encode_integers")
         x32 = _as_fp32(x)
-        scales = self._scales(x32, scales)
+        scales = self._scales(x32, scales, native_rows=True)
         f = expand_factors(integer.level_factors(scales, mrq), tuple(x32.shape), self.scale, self.group_size)
         return integer.round_to_levels(x32, f, mrq), scales
 

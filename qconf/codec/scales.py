@@ -96,8 +96,6 @@ def _finite_abs(a: torch.Tensor) -> torch.Tensor:
 def _absmax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """max|a| over the finite elements (NaN and +-Inf count as 0, so the result is finite); a
     nonzero maximum below FLT_MIN is raised to FLT_MIN."""
-    if dim == 1 and a.dtype == torch.float32 and row_kernels(a):  # one native pass, no temporary
-        return floor_scales(torch.ops.qconf.absmax_rows(a))
     a = _finite_abs(a)
     return floor_scales(a.amax() if dim is None else a.amax(dim=dim))
 
@@ -138,10 +136,12 @@ def _group_absmean(flat: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def compute_scales(x: torch.Tensor, scale: str, group_size: int, statistic: str = "absmax",
-                   min_scale: float = 0.0) -> torch.Tensor:
+                   min_scale: float = 0.0, native_rows: bool = False) -> torch.Tensor:
     """Scales of fp32 ``x`` (any shape) under ``scale``: a 1-D fp32 tensor of
     ``num_scales(scale, x.shape, group_size)`` values, each ``max(statistic, min_scale)``
-    (``min_scale`` rounded to fp32, as ``torch.clamp`` does; 0 leaves the scales as they are)."""
+    (``min_scale`` rounded to fp32, as ``torch.clamp`` does; 0 leaves the scales as they are).
+    ``native_rows``: per-row absmax of a 2-D CPU ``x`` in one native pass with no temporary
+    (``torch.ops.qconf.absmax_rows``, the same values; BitLinear's activations), where it applies."""
     if statistic not in _STATISTIC_FNS:
         raise ValueError(f"unknown statistic {statistic!r}; allowed: {', '.join(STATISTICS)}")
     eff = effective_scale(scale, tuple(x.shape))
@@ -150,6 +150,8 @@ def compute_scales(x: torch.Tensor, scale: str, group_size: int, statistic: str 
     stat = _STATISTIC_FNS[statistic]
     if x.numel() == 0:
         out = torch.zeros(num_scales(scale, tuple(x.shape), group_size), dtype=torch.float32, device=x.device)
+    elif native_rows and eff == "dim0" and statistic == "absmax" and x.dtype == torch.float32 and row_kernels(x):
+        out = floor_scales(torch.ops.qconf.absmax_rows(x))
     elif eff == "tensor":
         out = stat(x).reshape(1)
     elif eff in ("dim0", "dim1"):
