@@ -68,5 +68,5 @@ def row_kernels(*tensors: torch.Tensor) -> bool:
     ops itself)."""
     grad = torch.is_grad_enabled()
     return (_C is not None and hasattr(torch.ops.qconf, "round_levels") and not torch.compiler.is_compiling()
-            and all(isinstance(t, torch.Tensor) and type(t) in (torch.Tensor, torch.nn.Parameter) and t.dim() == 2
-                    and t.device.type == "cpu" and not (grad and t.requires_grad) for t in tensors))
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.dim() == 2 and t.device.type == "cpu"
+                    and not (grad and t.requires_grad) for t in tensors))

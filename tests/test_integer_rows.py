@@ -91,6 +91,10 @@ def test_not_taken_where_it_does_not_apply():
     assert integer._row_factors(x, per_column) is None  # dim1 factors: the torch ops
     assert integer._row_factors(x.requires_grad_(), torch.rand(4, 1).expand(4, 6)) is None
     assert integer._row_factors(torch.randn(2, 3, 4), torch.rand(2, 1, 1).expand(2, 3, 4)) is None
+    rows = torch.rand(4, 1).expand(4, 6)
+    wide = torch.randint(-127, 128, (4, 6), dtype=torch.int16)  # other integer dtypes: the torch ops
+    assert same(integer.levels_to_values(wide, rows), wide.float() / rows)
+    assert same(integer.levels_to_values(wide.to(torch.int8), rows), wide.float() / rows)
 
 
 @pytest.mark.parametrize("call,match", [

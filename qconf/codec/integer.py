@@ -40,7 +40,7 @@ def round_to_levels(x32: torch.Tensor, factors: torch.Tensor, mrq: int) -> torch
     """int8 levels ``clamp(round_half_even(x32 * factors), -MRQ, MRQ)`` of fp32 ``x32``;
     ``factors`` is fp32 and broadcasts to ``x32`` (one factor per element, e.g. a broadcast view).
     NaN products become 0; the result has ``x32``'s shape."""
-    rows = _row_factors(x32, factors)
+    rows = _row_factors(x32, factors) if x32.dtype == torch.float32 and 1 <= mrq <= 127 else None
     if rows is not None:
         return torch.ops.qconf.round_levels(x32, rows, mrq)
     t = x32 * factors
@@ -52,10 +52,10 @@ def round_to_levels(x32: torch.Tensor, factors: torch.Tensor, mrq: int) -> torch
 def levels_to_values(levels: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """fp32 ``levels / factors`` (the fp32 division of BitNet's ``q / scale``); ``levels`` any
     integer dtype, ``factors`` fp32 broadcasting to it. Returns fp32 in ``levels``' shape."""
-    rows = _row_factors(levels, factors)
+    rows = _row_factors(levels, factors) if levels.dtype == torch.int8 else None
     if rows is not None:
         return torch.ops.qconf.divide_levels(levels, rows)
-    return levels.to(torch.float32).div_(factors)
+    return levels.to(torch.float32, copy=True).div_(factors)
 
 
 def _row_factors(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor | None:
