@@ -17,7 +17,7 @@
 namespace qconf {
 namespace {
 
-constexpr int64_t kRowBlock = 64;  // rows per task: 72 x 1 KiB of x stays in L2 across the panels
+constexpr int64_t kRowBlock = 64;  // rows per task: 64 x 1 KiB of x (a k block) stays in L2 across the panels
 
 // Packs panels [p0, p1) of u = w + 1 (layout in ternary_mm.h); false when an entry of w is not
 // -1, 0 or +1 (u > 2 as a byte). Padding bytes start as 0xFF, which + 1 makes 0.

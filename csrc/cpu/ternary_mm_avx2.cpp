@@ -1,6 +1,6 @@
 // The AVX2 kernel of qconf::ternary_mm (csrc/include/qconf/ternary_mm.h has the math and layout).
 // Blocked for the caches: for each block of kKBlockGroups groups (1 KiB of k), for each weight
-// panel (16 KiB of it, in L1), for each tile of kRows rows: kRows x 16 accumulators, 12 registers.
+// panel (16 KiB of it, in L1), for each tile of kRows rows: kRows x 16 int16 sums in 8 registers.
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #pragma GCC target("avx2")
