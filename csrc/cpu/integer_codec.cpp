@@ -76,6 +76,10 @@ QCONF_INT_AVX2 int64_t divide_avx2(const int8_t* k, int64_t n, float f, float* y
   }
   return i;
 }
+#else  // no AVX2 code: use_avx2() is false and these are never called
+int64_t absmax_avx2(const float*, int64_t, float&) { return 0; }
+int64_t round_avx2(const float*, int64_t, float, float, int8_t*) { return 0; }
+int64_t divide_avx2(const int8_t*, int64_t, float, float*) { return 0; }
 #endif
 
 bool use_avx2() {
@@ -117,55 +121,46 @@ at::Tensor absmax_rows(const at::Tensor& x_) {
   for_rows(R, C, [&](int64_t r) {
     const float* row = x.data_ptr<float>() + r * C;
     float m = 0.0f;
-    int64_t i = 0;
-#ifdef QCONF_INT_AVX2
-    if (avx2) i = absmax_avx2(row, C, m);
-#endif
-    for (; i < C; ++i) m = std::max(m, finite_abs(row[i]));
+    for (int64_t i = avx2 ? absmax_avx2(row, C, m) : 0; i < C; ++i) m = std::max(m, finite_abs(row[i]));
     out.data_ptr<float>()[r] = m;
   });
   return out;
 }
 
-at::Tensor round_levels(const at::Tensor& x_, const at::Tensor& factors, int64_t mrq) {
-  check_rows("round_levels", x_, at::kFloat, "x");
-  TORCH_CHECK(mrq >= 1 && mrq <= 127, "qconf::round_levels: mrq must be in 1..127, got ", mrq);
-  const at::Tensor x = x_.contiguous();
-  const int64_t R = x.size(0), C = x.size(1);
-  const float* f = row_factors("round_levels", factors, R);
+// out[r, :] = one elementwise pass over in[r, :] with row r's factor, for every row in parallel:
+// vector(row, C, f, out_row) does a prefix where the CPU has AVX2 and returns its length,
+// scalar(value, f) the rest.
+template <class In, class Out, class Vector, class Scalar>
+at::Tensor map_rows(const char* op, const at::Tensor& in_, const at::Tensor& factors, at::ScalarType out_dtype,
+                    Vector vector, Scalar scalar) {
+  const at::Tensor in = in_.contiguous();
+  const int64_t R = in.size(0), C = in.size(1);
+  const float* f = row_factors(op, factors, R);
   const bool each = factors.size(0) == R, avx2 = use_avx2();
-  at::Tensor k = at::empty({R, C}, x.options().dtype(at::kChar));
+  at::Tensor out = at::empty({R, C}, in.options().dtype(out_dtype));
   for_rows(R, C, [&](int64_t r) {
-    const float* row = x.data_ptr<float>() + r * C;
-    int8_t* out = k.data_ptr<int8_t>() + r * C;
-    const float fr = f[each ? r : 0], m = static_cast<float>(mrq);
-    int64_t i = 0;
-#ifdef QCONF_INT_AVX2
-    if (avx2) i = round_avx2(row, C, fr, m, out);
-#endif
-    for (; i < C; ++i) out[i] = round_level(row[i], fr, m);
+    const In* row = in.data_ptr<In>() + r * C;
+    Out* dst = out.data_ptr<Out>() + r * C;
+    const float fr = f[each ? r : 0];
+    for (int64_t i = avx2 ? vector(row, C, fr, dst) : 0; i < C; ++i) dst[i] = scalar(row[i], fr);
   });
-  return k;
+  return out;
 }
 
-at::Tensor divide_levels(const at::Tensor& k_, const at::Tensor& factors) {
-  check_rows("divide_levels", k_, at::kChar, "levels");
-  const at::Tensor k = k_.contiguous();
-  const int64_t R = k.size(0), C = k.size(1);
-  const float* f = row_factors("divide_levels", factors, R);
-  const bool each = factors.size(0) == R, avx2 = use_avx2();
-  at::Tensor y = at::empty({R, C}, k.options().dtype(at::kFloat));
-  for_rows(R, C, [&](int64_t r) {
-    const int8_t* row = k.data_ptr<int8_t>() + r * C;
-    float* out = y.data_ptr<float>() + r * C;
-    const float fr = f[each ? r : 0];
-    int64_t i = 0;
-#ifdef QCONF_INT_AVX2
-    if (avx2) i = divide_avx2(row, C, fr, out);
-#endif
-    for (; i < C; ++i) out[i] = static_cast<float>(row[i]) / fr;
-  });
-  return y;
+at::Tensor round_levels(const at::Tensor& x, const at::Tensor& factors, int64_t mrq) {
+  check_rows("round_levels", x, at::kFloat, "x");
+  TORCH_CHECK(mrq >= 1 && mrq <= 127, "qconf::round_levels: mrq must be in 1..127, got ", mrq);
+  const float m = static_cast<float>(mrq);
+  return map_rows<float, int8_t>(
+      "round_levels", x, factors, at::kChar,
+      [m](const float* row, int64_t n, float f, int8_t* k) { return round_avx2(row, n, f, m, k); },
+      [m](float v, float f) { return round_level(v, f, m); });
+}
+
+at::Tensor divide_levels(const at::Tensor& k, const at::Tensor& factors) {
+  check_rows("divide_levels", k, at::kChar, "levels");
+  return map_rows<int8_t, float>("divide_levels", k, factors, at::kFloat, &divide_avx2,
+                                 [](int8_t v, float f) { return static_cast<float>(v) / f; });
 }
 
 }  // namespace
