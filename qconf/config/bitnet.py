@@ -24,7 +24,7 @@ import torch
 
 from ..codec import Codec
 from .frozen import FrozenDict
-from .rules import BAD, Reporter, Spec, check_value, compile_match
+from .rules import Reporter, Spec, compile_match, normalize_fields
 
 __all__ = ["BitNetConfig", "BITNET_FIELDS", "DEFAULT_EXCLUDE"]
 
@@ -78,10 +78,7 @@ class BitNetConfig:
 
     def __post_init__(self) -> None:
         rep = Reporter("<BitNetConfig>")
-        for name, spec in BITNET_FIELDS.items():
-            value = check_value(spec, getattr(self, name), name, rep)
-            if value is not BAD:
-                object.__setattr__(self, name, value)
+        normalize_fields(self, BITNET_FIELDS, rep)
         rep.raise_if_any()
         object.__setattr__(self, "_modules_re", tuple(compile_match(p) for p in self.modules))
         object.__setattr__(self, "_exclude_re", tuple(compile_match(p) for p in self.exclude))

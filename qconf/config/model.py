@@ -17,7 +17,7 @@ from .bitnet import BITNET_FIELDS, BitNetConfig
 from .frozen import FrozenDict
 from .rules import (BAD, OVERRIDE_KEYS, OVERRIDE_STATE_FIELDS, STATE_FIELDS, STATE_NAMES, TOP_FIELDS, WEIGHTS_FIELDS,
                     Reporter, check_override, check_section, check_value, combo_allowed, compile_match, join, kind,
-                    state_combo_problem, unknown_key)
+                    normalize_fields, state_combo_problem, unknown_key)
 
 __all__ = ["StateConfig", "WeightsConfig", "Override", "QConfig", "BitNetConfig", "DEFAULT_STATES", "STATE_NAMES",
            "make_codec"]
@@ -52,10 +52,7 @@ class StateConfig:
 
     def __post_init__(self) -> None:
         rep = Reporter("<StateConfig>")
-        for name, spec in STATE_FIELDS.items():
-            value = check_value(spec, getattr(self, name), name, rep)
-            if value is not BAD:
-                object.__setattr__(self, name, value)
+        normalize_fields(self, STATE_FIELDS, rep)
         if not rep.problems:
             msg = state_combo_problem(self.bits, self.map, self.signed)
             if msg:

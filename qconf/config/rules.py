@@ -92,6 +92,15 @@ def _bound(n: int) -> str:
     return str(n)
 
 
+def normalize_fields(obj: Any, fields: Mapping[str, Spec], rep: Reporter) -> None:
+    """Check each of a frozen dataclass's ``fields`` (name -> Spec) and store its normalized value
+    in place; invalid ones are reported to ``rep`` and left as they are."""
+    for name, spec in fields.items():
+        value = check_value(spec, getattr(obj, name), name, rep)
+        if value is not BAD:
+            object.__setattr__(obj, name, value)
+
+
 def check_value(spec: Spec, value: Any, path: str, rep: Reporter) -> Any:
     """Return the (normalized) value, or ``BAD`` after reporting why it is invalid."""
     if value is None and spec.nullable:
