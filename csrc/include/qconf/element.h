@@ -8,14 +8,19 @@
 // multiply-add is fused and results are bit-identical to the reference.
 #pragma once
 
+#if !defined(__CUDACC_RTC__)  // NVRTC (run-time compiled kernels) has no standard headers
 #include <cmath>
-#include <cstdint>
 #include <cstring>
+#endif
+#include "qconf/fixed_int.h"
 
 #if defined(__CUDACC__)
 #define QCONF_HD __host__ __device__ __forceinline__
+// a rarely taken path, kept out of line on the GPU so that the loop around its call stays short
+#define QCONF_COLD __host__ __device__ __noinline__
 #else
 #define QCONF_HD inline __attribute__((always_inline))
+#define QCONF_COLD inline
 #endif
 
 namespace qconf {
@@ -269,31 +274,114 @@ QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int pa
 
 // ---------------------------------------------------------------------------------------------
 // quantization (scalar forms; simd.h has the vector forms with the same results)
+
+// How nearest rounding finds a code: the binary search over the midpoints, or one of two
+// arithmetic shortcuts that the codec table enables only where they are exact for every input
+// (the midpoint grid, the octave lines: qconf/codec/native.py). The CPU's FastQuantizer and the
+// specialized CUDA step (spec.h) take it as a template parameter.
+enum Near : int { kNearSearch = 0, kNearGrid = 1, kNearLinesUnsigned = 2, kNearLinesSigned = 3 };
 //
 // Tables are padded to 256 entries: `mids` holds the L-1 fp32 midpoints then +inf, `qsearch` the
 // L map values then +inf, `qmap` the L map values (codes never exceed L-1).
 
-// Nearest: #{k : mids[k] < n} by a branchless binary search over 2^bits padded entries. NaN -> 0.
-QCONF_HD int quantize_nearest(float n, const float* mids, int bits) {
-  int c = 0;
-  for (int step = 1 << (bits - 1); step > 0; step >>= 1) c += (mids[c + step - 1] < n) ? step : 0;
-  return c;
+// #{k : t[k] < n} (LE = false) or #{k : t[k] <= n} (LE = true) over a sorted table of 2^bits
+// entries (padded with +inf) by a branchless binary search. T: a pointer, or a table view with
+// the same arithmetic (the specialized CUDA step's shared-memory tables, spec_octet.h). The
+// search walks the view: each probe is at a constant offset from it, so on the GPU a probe is one
+// load with an immediate offset, a compare and a select.
+template <bool LE, class T>
+QCONF_HD int search_count(float n, const T& table, int bits) {
+  const auto first = table + 0;  // (an array decays to its pointer)
+  auto t = first;
+  for (int step = 1 << (bits - 1); step > 0; step >>= 1) {
+    const float v = t[step - 1];
+    t = t + ((LE ? v <= n : v < n) ? step : 0);
+  }
+  return static_cast<int>(t - first);
 }
 
-// Stochastic: round between the bracketing codes with probability proportional to proximity.
-QCONF_HD int quantize_stochastic(float n, float u, const float* qmap, const float* qsearch, int levels, int bits) {
+// Nearest: #{k : mids[k] < n}. NaN -> 0.
+template <class T>
+QCONF_HD int quantize_nearest(float n, const T& mids, int bits) {
+  return search_count<false>(n, mids, bits);
+}
+
+// Stochastic rounding of n between the bracketing codes, with probability proportional to
+// proximity, given count_le(x) = #{k : qsearch[k] <= x} (any exact search of the map padded with
+// +inf) and the map qmap (any table with operator[]).
+template <class T, class CountLe>
+QCONF_HD int stochastic_code(float n, float u, const T& qmap, int levels, const CountLe& count_le) {
   if (n != n) return 0;
   const float lo_v = qmap[0], hi_v = qmap[levels - 1];
   n = n < lo_v ? lo_v : n;
   n = n > hi_v ? hi_v : n;
-  int c = 0;  // #{k : qsearch[k] <= n}
-  for (int step = 1 << (bits - 1); step > 0; step >>= 1) c += (qsearch[c + step - 1] <= n) ? step : 0;
-  int lo = c - 1;
+  int lo = count_le(n) - 1;
   lo = lo < 0 ? 0 : lo;
   lo = lo > levels - 2 ? levels - 2 : lo;
   const float q_lo = qmap[lo], q_hi = qmap[lo + 1];
   const float p_up = (n - q_lo) / (q_hi - q_lo);  // zero-width interval: NaN, never rounds up
   return lo + (u < p_up ? 1 : 0);
+}
+
+// count_le of stochastic_code by the binary search of a table
+template <class T>
+struct SearchLe {
+  const T& t;
+  int bits;
+  QCONF_HD int operator()(float x) const { return search_count<true>(x, t, bits); }
+};
+
+// Stochastic: round between the bracketing codes with probability proportional to proximity.
+template <class T>
+QCONF_HD int quantize_stochastic(float n, float u, const T& qmap, const T& qsearch, int levels, int bits) {
+  return stochastic_code(n, u, qmap, levels, SearchLe<T>{qsearch, bits});
+}
+
+// kNearGrid (scalar form of the CPU's FastQuantizer): midpoints exactly (k + c) / L with L a
+// power of two, so the nearest code of a normalized n is ceil(n * L - c) clamped to [0, top],
+// each step exact in fp32 (docs/kernels.md, "Code search"). A NaN n gets code 0, as 0 does on
+// these maps (mids[0] > 0), so the normalizer need not map NaN to 0 first.
+QCONF_HD int quantize_grid(float n, float L, float c, float top) {
+  float y = n * L - c;
+#if defined(__CUDA_ARCH__)
+  y = fminf(fmaxf(y, 0.0f), top);  // fmaxf(NaN, 0) = 0
+  return __float2int_ru(y);
+#else
+  y = __builtin_fminf(__builtin_fmaxf(y, 0.0f), top);
+  return static_cast<int>(__builtin_ceilf(y));
+#endif
+}
+
+// kNearLines* (scalar form): per octave of |n| the smaller of two lines estimates the code within
+// one below the answer (qconf/codec/octave_lines.py proves it for every float32), one probe of
+// the midpoints finishes it. line_octave gives a = |n| (signed maps) or n (unsigned), capped
+// below 2 and floored at 2^-31, and its octave (biased exponent mod 32) in the line tables.
+template <bool SIGNED>
+QCONF_HD int line_octave(float n, float& a) {
+  if (SIGNED) {
+    const float m = bits_f32(f32_bits(n) & 0x7fffffffu);
+    a = 1.99999988f < m ? 1.99999988f : m;
+    const uint32_t o = f32_bits(a) >> 23;
+    return static_cast<int>((o > 96u ? o : 96u) & 31u);
+  }
+  a = n > 4.65661287e-10f ? n : 4.65661287e-10f;
+  a = 1.99999988f < a ? 1.99999988f : a;
+  return static_cast<int>((f32_bits(a) >> 23) & 31u);
+}
+
+// The nearest code from the octave's lines (s1, a1), (s2, a2) and the mirror K of signed maps.
+template <bool SIGNED, class T>
+QCONF_HD int quantize_lines(float n, float a, float s1, float a1, float s2, float a2, float mirror, const T& mids) {
+  const float j1 = qfma(a, s1, a1), j2 = qfma(a, s2, a2);
+  float j = j1 < j2 ? j1 : j2;
+  if (SIGNED && n < 0.0f) j = mirror - j;
+#if defined(__CUDA_ARCH__)
+  int r = __float2int_rn(j);
+#else
+  int r = static_cast<int>(__builtin_rintf(j));
+#endif
+  if (SIGNED) r = r > 0 ? r : 0;
+  return r + (mids[r] < n ? 1 : 0);
 }
 
 // Normalize with a reciprocal scale: r = inf marks a zero scale (the block's finite elements are

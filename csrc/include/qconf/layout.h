@@ -8,7 +8,7 @@
 // host drivers alike.
 #pragma once
 
-#include <cstdint>
+#include "qconf/fixed_int.h"
 
 namespace qconf {
 
@@ -92,6 +92,8 @@ enum StateKind : int32_t { kNone = 0, kFp32 = 1, kQuant = 2, kParamDtype = 3 };
 //   kDim1:  element i uses scale ((i / inner) % d1)
 //   kRank1: element uses min over dims of that dim's vector (concatenated, sum(shape) values)
 enum ScaleKind : int32_t { kBlock = 0, kDim1 = 1, kRank1 = 2 };
+// the dtype of a parameter, gradient or 16-bit state
+enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // the update rule of a call (AdamRule, SgdRule, LionRule in element.h)
 enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2 };
 
@@ -138,7 +140,8 @@ constexpr int kLinesMirror = 160;
 constexpr int kLinesForm = 161;
 
 // ---------------------------------------------------------------------------------------------
-// what torch.ops.qconf.layout() returns
+// what torch.ops.qconf.layout() returns (host code only: not in the run-time compiled kernels)
+#if !defined(__CUDACC_RTC__)
 struct LayoutEntry {
   const char* name;
   int64_t value;
@@ -206,5 +209,6 @@ constexpr LayoutEntry kLayout[] = {
     {"table.size", kTableSize},
     {"max_dims", kMaxDims},
 };
+#endif
 
 }  // namespace qconf

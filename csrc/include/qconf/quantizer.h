@@ -106,10 +106,7 @@ struct Search256 {
   }
 };
 
-// How nearest rounding finds a code: the binary search over the midpoints, or one of two
-// arithmetic shortcuts that the codec table enables only where they are exact for every input.
-enum Near : int { kNearSearch = 0, kNearGrid = 1, kNearLinesUnsigned = 2, kNearLinesSigned = 3 };
-
+// (Near, the nearest-rounding method: element.h)
 // kNearGrid: nearest rounding onto a map whose midpoints are an exact binary grid (CodecDesc::grid):
 // no search. With z = n * L exact (L a power of two) and c = o + 1/2, o >= 0: z - c is exact
 // whenever z >= c / 2 (Sterbenz, or c a multiple of ulp(z)), and negative otherwise, so

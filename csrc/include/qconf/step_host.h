@@ -387,6 +387,8 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     TensorDesc& t = out.descs[i];
     describe_param(cx, i, params[i], grads[i], m, out.grad_storage[i], t);
     const double step = advance_step(steps[i], i, advance_steps);
+    t.index = static_cast<uint64_t>(m[kMetaIndex]);
+    t.step = static_cast<uint64_t>(step);
     t.h = scalars.get(rule, hyper, step, m[kMetaFirst] != 0);
     t.factored = static_cast<int32_t>(m[kMetaFactored]);
     const int64_t unit = describe_states(cx, i, m, step, t);

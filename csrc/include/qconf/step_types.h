@@ -10,8 +10,6 @@
 
 namespace qconf {
 
-enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
 struct CodecDesc {
   int32_t bits = 0;
   int32_t levels = 0;
@@ -127,6 +125,8 @@ struct StateDesc {
 };
 
 struct TensorDesc {
+  uint64_t index = 0;  // the parameter's index (meta kMetaIndex): its random streams
+  uint64_t step = 0;   // the step being taken (the counter + 1)
   int64_t numel = 0;
   int32_t ndim = 0;
   int64_t shape[kMaxDims] = {0};
