@@ -1,0 +1,440 @@
+"""The specialized CUDA step (csrc/include/qconf/spec*.h) run on the host, bit for bit against the CPU kernel.
+
+No GPU here, so the specialized kernels' per-thread code -- everything a GPU thread computes
+(spec_octet.h: loads, dequantization, the rule, the weights policy, group maxima of its octet,
+scales, codes, stores) -- is compiled for the host and run by spec_emulate.h, a model of the
+kernels' blocks: each of a block's 256 threads in turn, with the exchanges between threads done
+as the device does them (a group's maximum over its aligned threads before any stores; rank-1
+row and column maxima; the finalize and copy kernels; the driver's order of launches). The plans
+are the CUDA driver's own (spec_plan.h: launches, units, scratch). Every optimizer step of every
+case below runs the specialized tensors through that model and the rest through the CPU kernel
+(as the CUDA driver hands them to the generic kernel), and must equal the CPU fused step exactly:
+parameters, codes, scales and fp32 states. A GPU run can then only find what the model does not
+share with the kernels: the shuffles, atomics and barriers themselves.
+
+The emulator extension instantiates every spec the cases produce (named by
+torch.ops.qconf.cuda_specs, typed by cuda_spec_source), compiled once per session.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from qconf import _native
+from qconf.codec import QTensor
+from qconf.optim import SGD, Adam, AdamW, Lion
+from qconf.optim.fused import _signed64
+
+from helpers import CONFIGS, ROOT, host_extension
+
+if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
+    pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
+
+
+def _state(bits=4, map="nonlinear", signed=True, scale="group", group_size=128, rounding="nearest"):
+    return {"enable": True, "bits": bits, "map": map, "signed": signed, "scale": scale, "group_size": group_size,
+            "rounding": rounding}
+
+
+# Beyond the shipped configs: stochastic rounding, the other scale kinds (dim0 rows are groups of
+# the row length; tensor and dim1 scales take the generic kernel), every code width, small groups
+EXTRA = {
+    "stochastic": {"min_numel": 64, "states": {
+        "exp_avg": _state(rounding="stochastic", group_size=64),
+        "exp_avg_sq": _state(map="power-1", signed=False, scale="rank1", rounding="stochastic")}},
+    "tensor_dim0": {"min_numel": 64, "states": {
+        "exp_avg": _state(bits=3, scale="tensor"),
+        "exp_avg_sq": _state(bits=5, map="power-2", signed=False, scale="dim0")}},
+    "dim1_widths": {"min_numel": 64, "states": {
+        "exp_avg": _state(bits=7, scale="dim1", rounding="stochastic"),
+        "exp_avg_sq": _state(bits=6, map="power-1", signed=False, group_size=512)}},
+    "narrow": {"min_numel": 0, "states": {
+        "exp_avg": _state(bits=2, map="linear", signed=False, group_size=8),
+        "exp_avg_sq": _state(bits=1, map="power-1", signed=False, group_size=2048)}},
+    "wide_sr8": {"min_numel": 64, "states": {
+        "exp_avg": _state(bits=8, rounding="stochastic", group_size=1024),
+        "exp_avg_sq": _state(bits=8, map="power-2", signed=False, group_size=32)}},
+}
+
+# rank-1 rows of one strip and of several (two of 2048 columns and one of 768), a partial last
+# octet, rows of 16 threads, a 1-D tensor, one too small to quantize, and rows of 640 columns (80
+# threads: rank-1 states there take the generic kernel)
+SHAPES = [(96, 256), (8, 4864), (4099,), (33, 128), (4, 4096), (7,), (10, 640)]
+
+OPTIMIZERS = {
+    "adamw": lambda ps, cfg: AdamW(ps, lr=3e-3, weight_decay=0.05, qconfig=cfg, fused=True, seed=3),
+    "adam": lambda ps, cfg: Adam(ps, lr=2e-3, weight_decay=0.01, qconfig=cfg, fused=True, seed=3),
+    "sgd": lambda ps, cfg: SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, qconfig=cfg, fused=True,
+                               seed=3),
+    "lion": lambda ps, cfg: Lion(ps, lr=1e-3, weight_decay=0.1, qconfig=cfg, fused=True, seed=3),
+    "adamw_max": lambda ps, cfg: AdamW(ps, lr=3e-3, weight_decay=0.0, maximize=True, qconfig=cfg, fused=True, seed=3),
+}
+
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yml") if "bitnet" not in p.name)
+WEIGHTS = {"sr": {"rounding": "stochastic"}, "kahan": {"compensation": "kahan"},
+           "sr_kahan": {"rounding": "stochastic", "compensation": "kahan"},
+           "kahan_q8": {"compensation": "kahan", "compensation_codec": {"bits": 8, "group_size": 128}},
+           "sr_kahan_q4": {"rounding": "stochastic", "compensation": "kahan",
+                           "compensation_codec": {"bits": 4, "group_size": 64, "rounding": "stochastic"}}}
+
+# (config, optimizer, dtype)
+CASES = ([(c, o, torch.float32) for c in SHIPPED + sorted(EXTRA) for o in ("adamw", "sgd", "lion")]
+         + [(c, "adam", torch.float32) for c in ("default.yml", "8bit.yml", "stochastic")]
+         + [(c, "adamw_max", torch.float32) for c in ("default.yml", "2nd_moment_group_128.yml")]
+         + [(c, o, torch.bfloat16) for c in ("default.yml", "2nd_moment_group_128.yml", "8bit.yml", "fp32.yml",
+                                             "stochastic") for o in ("adamw", "sgd")]
+         + [(f"weights_{w}", o, d) for w in sorted(WEIGHTS) for o in ("adamw", "lion")
+            for d in (torch.bfloat16, torch.float16)])
+STEPS = 4
+
+
+def _config(name):
+    if name.endswith(".yml"):
+        return CONFIGS / name
+    if name.startswith("weights_"):
+        return {"base": str(CONFIGS / "default.yml"), "min_numel": 100, "weights": WEIGHTS[name[len("weights_"):]]}
+    return EXTRA[name]
+
+
+def _params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in SHAPES]
+
+
+def _grads(step, dtype):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=g) * 10.0 ** (step % 3 - 2)).to(dtype) for s in SHAPES]
+
+
+def _group_call(opt, group):
+    """The fused op's arguments of ``group`` at this step, as the eager step would build them."""
+    source = opt._plan_source(group)
+    if source is None:
+        return None
+    plan = opt._kernel._eager_plan(id(group), *source)
+    hyper = opt._kernel.hyper_values(opt._hyper(group))
+    return plan, [p.grad for p in plan.params], hyper, _signed64(opt._seed)
+
+
+def _subset(plan, grads, idx):
+    slot = _native.layout()["slot.len"]
+    return ([plan.params[i] for i in idx], [grads[i] for i in idx], [plan.steps[i] for i in idx],
+            [s for i in idx for s in plan.states[i * slot:(i + 1) * slot]], plan.meta[idx].contiguous())
+
+
+def _spec_names(opt):
+    names = []
+    for group in opt.param_groups:
+        call = _group_call(opt, group)
+        if call is not None:
+            plan, grads, hyper, seed = call
+            names += torch.ops.qconf.cuda_specs(plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta,
+                                                plan.tables, hyper, seed)
+    return names
+
+
+def _run(case, emu=None, steps=STEPS):
+    """STEPS steps of the case: the CPU fused step, or (emu) the emulated specialized step."""
+    config, opt_name, dtype = case
+    params = _params(dtype)
+    opt = OPTIMIZERS[opt_name](params, _config(config))
+    if emu is not None:
+        opt._fused_step = lambda group: _emulated_step(emu, opt, group)
+    for step in range(steps):
+        for p, gr in zip(params, _grads(step, dtype)):
+            p.grad = gr
+        opt.step()
+    return params, opt
+
+
+def _emulated_step(emu, opt, group):
+    call = _group_call(opt, group)
+    if call is None:
+        return
+    plan, grads, hyper, seed = call
+    generic = emu.step(plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta, plan.tables, hyper, seed)
+    if generic:
+        torch.ops.qconf.fused_step(plan.rule, *_subset(plan, grads, generic), plan.tables, hyper, seed)
+
+
+def _state_tensors(opt):
+    out = {}
+    for i, (_, p, _) in enumerate(opt._named_params()):
+        for k, v in opt.state[p].items():
+            if isinstance(v, QTensor):
+                out[(i, k, "codes")] = v.codes
+                out[(i, k, "scales")] = v.scales
+            elif isinstance(v, torch.Tensor):
+                out[(i, k)] = v
+    return out
+
+
+def _spec_type(name: str) -> str:
+    text = torch.ops.qconf.cuda_spec_source(name)
+    return re.search(r"using QconfSpec = (.*);", text).group(1)
+
+
+def _names_of_cases():
+    names = set()
+    for case in CASES:
+        _, opt = _run(case, steps=1)
+        names.update(n for n in _spec_names(opt) if not n.startswith("generic"))
+    return sorted(names)
+
+
+EMULATOR = r"""
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+#include "qconf/spec_emulate.h"
+#include "qconf/spec_aot.h"
+#include "qconf/step_host.h"
+
+using namespace qconf;
+namespace sp = qconf::spec;
+
+template <class S>
+static sp::emulate::Kernels kernels_of() { return {&sp::emulate::reduce<S>, &sp::emulate::apply<S>}; }
+
+static const std::map<std::string, sp::emulate::Kernels>& table() {
+  static const std::map<std::string, sp::emulate::Kernels> t = {
+@ENTRIES@
+  };
+  return t;
+}
+
+// One step of the specialized tensors of a call through the emulated kernels; returns the indices
+// the generic kernel takes (their steps are not advanced here).
+std::vector<int64_t> step(int64_t rule, std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+                          std::vector<at::Tensor> steps, std::vector<at::Tensor> states, at::Tensor meta,
+                          at::Tensor tables, std::vector<double> hyper, int64_t seed) {
+  host::check_call(rule, params, grads, steps, states, meta, tables, hyper);
+  if (params.empty()) return {};
+  host::CallDescs call;
+  const float* tab = tables.data_ptr<float>();
+  host::describe_tensors(rule, params, grads, steps, states, meta, tab, tables.size(0), hyper, seed,
+                         at::Device(at::kCPU), "CUDA", call, /*advance_steps=*/false);
+  sp::SpecPlan plan = sp::plan_specs(static_cast<int32_t>(rule), call.descs, tab, tab, int64_t{1} << 20);
+  TORCH_CHECK(sp::refresh_plan(plan, call.descs, static_cast<uint64_t>(seed)), "refresh_plan refused a fresh plan");
+  std::vector<float> scratch(std::max<int64_t>(plan.scratch_floats(), 1));
+  sp::assign_scratch(plan, scratch.data());
+  sp::emulate::run_plan(plan, scratch.data(), [](const std::string& name) {
+    const auto it = table().find(name);
+    if (it == table().end()) throw std::runtime_error("spec not instantiated in the test: " + name);
+    return it->second;
+  });
+  for (const sp::Launch& L : plan.launches)
+    for (int32_t i : L.tensors) host::advance_step(steps[i], i);
+  return std::vector<int64_t>(plan.generic.begin(), plan.generic.end());
+}
+
+// The names of the ahead-of-time specs (qconf/spec_aot.h).
+std::vector<std::string> aot_names() {
+  std::vector<std::string> out;
+#define QCONF_NAME(S) out.push_back(sp::spec_name(sp::key_of<S>()));
+  QCONF_AOT_SPECS(QCONF_NAME)
+#undef QCONF_NAME
+  return out;
+}
+
+// Every launch of a call's plan: (spec, tensor indices, per tensor (rows, cols, unit_rows, units,
+// rank1_at[0], rank1_at[1])), the generic indices with their reasons, the rank-1 entries.
+py::dict plan(int64_t rule, std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+              std::vector<at::Tensor> steps, std::vector<at::Tensor> states, at::Tensor meta, at::Tensor tables,
+              std::vector<double> hyper, int64_t seed, int64_t l2_budget) {
+  host::CallDescs call;
+  const float* tab = tables.data_ptr<float>();
+  host::describe_tensors(rule, params, grads, steps, states, meta, tab, tables.size(0), hyper, seed,
+                         at::Device(at::kCPU), "CUDA", call, false);
+  const sp::SpecPlan p = sp::plan_specs(static_cast<int32_t>(rule), call.descs, tab, tab, l2_budget);
+  py::list launches;
+  for (const sp::Launch& L : p.launches) {
+    py::list tensors;
+    for (int32_t j = 0; j < L.args.ntensors; ++j) {
+      const sp::SpecTensor& g = L.args.t[j];
+      tensors.append(py::make_tuple(L.tensors[j], g.numel, g.rows, g.cols, g.unit_rows, g.units, g.rank1_at[0],
+                                    g.rank1_at[1]));
+    }
+    py::list ranges;
+    for (const sp::Rank1Range& r : L.rank1) ranges.append(py::make_tuple(r.first, r.n));
+    launches.append(py::make_tuple(sp::spec_name(L.key), tensors, L.args.nunits, L.two_pass, ranges, L.args.step));
+  }
+  py::list reasons;
+  for (const auto& r : p.reasons) reasons.append(r);
+  py::dict out;
+  out["launches"] = launches;
+  out["reasons"] = reasons;
+  out["rank1_entries"] = p.rank1_entries;
+  return out;
+}
+
+// Units of one tensor as unit_at gives them: (col0, tpr, rpi, row0, nrows) for each of its units.
+std::vector<std::vector<int64_t>> units_of(int64_t rows, int64_t cols, int64_t unit_rows, int64_t units) {
+  sp::SpecArgs a;
+  a.ntensors = 1;
+  a.t[0].rows = rows;
+  a.t[0].cols = static_cast<int32_t>(cols);
+  a.t[0].unit_rows = static_cast<int32_t>(unit_rows);
+  a.t[0].units = static_cast<int32_t>(units);
+  a.nunits = a.t[0].units;
+  std::vector<std::vector<int64_t>> out;
+  for (int32_t u = 0; u < a.nunits; ++u) {
+    const sp::Unit x = sp::unit_at(a, u);
+    out.push_back({x.col0, x.tpr, x.rpi, x.row0, x.nrows});
+  }
+  return out;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    entries = "\n".join(f'    {{"{n}", kernels_of<{_spec_type(n)}>()}},' for n in _names_of_cases())
+    source = EMULATOR.replace("@ENTRIES@", entries)
+    return host_extension("qconf_spec_emulator", source, ["step", "aot_names", "plan", "units_of"],
+                          tmp_path_factory.mktemp("spec_emulator"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+def test_emulated_specialized_step_equals_cpu_fused(case, emu):
+    want_params, want_opt = _run(case)
+    got_params, got_opt = _run(case, emu)
+    for i, (a, b) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(a, b), f"parameter {i} of shape {tuple(a.shape)}"
+    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_the_cases_reach_the_specialized_kernels(emu):
+    """Most tensors of the sweep are specialized (else the sweep would test the generic path)."""
+    total = specialized = 0
+    kinds = set()
+    for case in CASES:
+        _, opt = _run(case, steps=1)
+        names = _spec_names(opt)
+        total += len(names)
+        specialized += sum(not n.startswith("generic") for n in names)
+        kinds.update(f for n in names if not n.startswith("generic") for f in re.findall(r"q\d\.[gr]\w*\.\w+", n))
+    assert specialized >= 0.7 * total, (specialized, total)
+    for needed in ("q4.g128.search", "q4.r1.grid", "q8.g256.lines_s", "q8.g256.lines_u", "q4.g64.sr", "q4.r1.sr",
+                   "q2.g8.search", "q1.g2048.search", "q8.g1024.sr", "q8.g32.search", "q8.g128.grid",
+                   "q8.g128.lines_s", "q5.g128.search", "q7.r1.grid", "q4.g2048.search"):
+        assert needed in kinds, needed
+
+
+def _call_of(case):
+    """The fused op's arguments of the case's one group after a first step (states exist)."""
+    _, opt = _run(case, steps=1)
+    for p, gr in zip(opt.param_groups[0]["params"], _grads(1, case[2])):
+        p.grad = gr
+    plan, grads, hyper, seed = _group_call(opt, opt.param_groups[0])
+    return plan, (plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta, plan.tables, hyper, seed)
+
+
+@pytest.mark.parametrize("case", [("default.yml", "adamw", torch.float32), ("stochastic", "sgd", torch.bfloat16),
+                                  ("weights_sr_kahan_q4", "lion", torch.bfloat16), ("narrow", "adamw", torch.float32)],
+                         ids=lambda c: c[0])
+def test_plans_cover_every_element_once(case, emu):
+    """Each specialized tensor's units tile its rows x cols exactly once (strips of at most 2048
+    columns, rows in units, 32-bit offsets), launches hold one spec and one step, at most 30
+    tensors, and the rank-1 scratch is laid out in the CPU split step's order, disjoint."""
+    plan, args = _call_of(case)
+    out = emu.plan(*args, 1 << 20)
+    seen, at = set(), 0
+    for name, tensors, nunits, two_pass, ranges, step in out["launches"]:
+        assert len(tensors) <= 30 and nunits == sum(t[5] for t in tensors)
+        assert two_pass == (".r1." in name)
+        for i, numel, rows, cols, unit_rows, units, r0, r1 in tensors:
+            assert i not in seen
+            seen.add(i)
+            assert unit_rows * cols < 2 ** 31
+            covered = torch.zeros(rows, cols, dtype=torch.int32)
+            for col0, tpr, rpi, row0, nrows in emu.units_of(rows, cols, unit_rows, units):
+                width = min(2048, cols - col0)
+                assert tpr * 8 == width and rpi == 256 // tpr and 0 < nrows <= unit_rows
+                covered[row0:row0 + nrows, col0:col0 + width] += 1
+            assert torch.equal(covered, torch.ones_like(covered)), f"tensor {i}"
+            assert rows * cols >= numel > (rows - 1) * cols
+            for k, r in enumerate((r0, r1)):
+                if r >= 0:  # tensors in call order, state 0 then 1, each rows + cols entries
+                    assert r == at
+                    at += rows + cols
+    assert at == out["rank1_entries"]
+    assert seen | {i for i, r in enumerate(out["reasons"]) if r} == set(range(len(plan.params)))
+
+
+def test_two_pass_launches_keep_their_gradients_within_the_l2_budget(emu):
+    """A launch with a reduce pass holds gradients of at most l2_budget bytes (its apply pass then
+    re-reads them from L2), unless every tensor of it exceeds the budget on its own."""
+    _, args = _call_of(("default.yml", "adamw", torch.float32))
+    sizes = {i: p.numel() * 4 for i, p in enumerate(args[1])}
+    budget = 150_000
+    for name, tensors, *_ in emu.plan(*args, budget)["launches"]:
+        if ".r1." in name:
+            total = sum(sizes[t[0]] for t in tensors)
+            assert total <= budget or all(sizes[t[0]] > budget for t in tensors), (name, tensors)
+
+
+def test_generic_reasons_name_what_is_not_specialized():
+    shapes = [(96, 256), (10, 256), (3, 4, 64), (5000,), (64, 64), (64, 128)]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    cfg = {"min_numel": 64, "overrides": [
+        {"match": "1", "states": {"exp_avg": {"scale": "dim1"}}},
+        {"match": "3", "states": {"exp_avg": {"group_size": 100}}}]}
+    opt = AdamW([(str(i), p) for i, p in enumerate(params)], qconfig={"base": str(CONFIGS / "default.yml"), **cfg},
+                fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    names = _spec_names(opt)
+    assert names[0] == "adam.wd-f32.f32-plain-q4.g128.search-q4.r1.grid-none"
+    assert names[1] == "generic: exp_avg: dim1 scales"
+    assert names[2] == "generic: a rank-1 scale on 3-D parameter"
+    assert names[3] == "generic: exp_avg: blocks of 100 (powers of two from 8 to 2048 are specialized)"
+    assert names[4] == "generic: exp_avg: blocks of 128 across rows of 64"  # groups must stay within rows
+    assert names[5] == names[0]
+    # a parameter that is not 16-byte aligned (a view one float into its storage)
+    base = torch.zeros(64 * 128 + 1)
+    view = torch.nn.Parameter(base[1:].view(64, 128))
+    opt2 = AdamW([view], qconfig={"base": str(CONFIGS / "default.yml"), "min_numel": 64}, fused=True)
+    view.grad = torch.randn_like(view)
+    opt2.step()
+    assert _spec_names(opt2) == ["generic: a parameter not 16-byte aligned"]
+
+
+def test_the_ahead_of_time_specs_are_those_of_the_common_configs(emu):
+    """spec_aot.h lists exactly the specs of AdamW under default.yml (2-D and 1-D parameters),
+    8bit.yml and fp32 states, for float32 and bfloat16 parameters."""
+    want = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        for config in ("default.yml", "8bit.yml", "fp32.yml"):
+            params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in [(96, 256), (5000,)]]
+            opt = AdamW(params, weight_decay=0.01, qconfig=CONFIGS / config, fused=True)
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            want.update(_spec_names(opt))
+    assert sorted(emu.aot_names()) == sorted(want)
+
+
+def test_spec_names_round_trip_and_bad_names_are_refused():
+    for name in ["adam.wd-f32.f32-plain-q4.g128.search-q4.r1.grid-none", "sgd.wpn-bf16.f16-sr+kahan-q8.g8.sr-none-half",
+                 "lion.mw-f16.f16-kahan-fp32-none-q8.g128.lines_s", "adam-f32.f32-plain-none-none-none"]:
+        text = torch.ops.qconf.cuda_spec_source(name)
+        assert "QCONF_SPEC_KERNELS(QconfSpec)" in text
+    for bad, why in [("adam-f32", "is not a spec name"), ("adam.x-f32.f32-plain-none-none-none", "is not a spec name"),
+                     ("adam.dw-f32.f32-plain-none-none-none", "is not a spec name"),  # flags out of order
+                     ("adam-f32.f32-plain-q4.g100.search-none-none", "groups of 100"),
+                     ("sgd-f32.f32-plain-fp32-fp32-none", "one-state rule"),
+                     ("adam-f32.f32-sr-fp32-fp32-none", "float32 parameters with low-precision weights"),
+                     ("adam-bf16.bf16-kahan-fp32-fp32-none", "Kahan buffer without Kahan weights")]:
+        with pytest.raises(RuntimeError, match=why):
+            torch.ops.qconf.cuda_spec_source(bad)
