@@ -6,7 +6,8 @@
 //   StepPlan     the same step with the per-parameter tensors kept on the C++ side, so an eager
 //                step only passes the gradients (per-tensor argument overhead matters at 1000s
 //                of small parameters); reduce() + apply() split it around the combination
-//                of the two-pass scales' maxima across ranks (CPU)
+//                of the two-pass scales' maxima across ranks (CPU; CUDA with the specialized
+//                kernels)
 //   layout       the positions and codes of the ops' arguments (qconf/layout.h), which Python
 //                reads instead of repeating them
 #include <Python.h>
@@ -38,6 +39,9 @@ struct StepPlan : torch::CustomClassHolder {
   std::vector<at::Tensor> params, steps, states;
   at::Tensor meta, tables;
   std::shared_ptr<qconf::CpuWorkspace> workspace = qconf::make_cpu_workspace();
+#ifdef QCONF_WITH_CUDA
+  std::shared_ptr<qconf::CudaWorkspace> cuda_workspace;  // made at the first CUDA step
+#endif
   StepPlan(int64_t rule_, std::vector<at::Tensor> params_, std::vector<at::Tensor> steps_,
            std::vector<at::Tensor> states_, at::Tensor meta_, at::Tensor tables_)
       : rule(rule_), params(std::move(params_)), steps(std::move(steps_)), states(std::move(states_)),
@@ -60,28 +64,45 @@ struct StepPlan : torch::CustomClassHolder {
     }
 #ifdef QCONF_WITH_CUDA
     if (!params.empty() && params[0].is_cuda()) {
-      qconf::fused_step_cuda(rule, params, grads, steps, states, meta, tables, hyper, seed);
+      qconf::fused_step_cuda_reusing(cuda(), rule, params, grads, steps, states, meta, tables, hyper, seed);
       return;
     }
 #endif
     qconf::fused_step_cpu_reusing(*workspace, rule, params, grads, steps, states, meta, tables, hyper, seed);
   }
-  // The step of run() in two calls (qconf/step_driver.h: fused_step_cpu_reduce / _apply), with the
-  // gradients given (FSDP: the plan's parameters are local shards, whose .grad is not set). The
-  // workspace holds the gradients and descriptions from reduce() to apply().
+  // The step of run() in two calls (qconf/step_driver.h: fused_step_cpu_reduce / _apply, and the
+  // CUDA forms), with the gradients given (FSDP: the plan's parameters are local shards, whose
+  // .grad is not set). The workspace holds the gradients and descriptions from reduce() to apply().
   std::tuple<at::Tensor, at::Tensor> reduce(const std::vector<double>& hyper, int64_t seed,
                                             const std::vector<at::Tensor>& grads_) {
+#ifdef QCONF_WITH_CUDA
+    if (on_cuda())
+      return qconf::fused_step_cuda_reduce(cuda(), rule, params, grads_, steps, states, meta, tables, hyper, seed);
+#endif
     check_cpu("reduce");
     return qconf::fused_step_cpu_reduce(*workspace, rule, params, grads_, steps, states, meta, tables, hyper, seed);
   }
   void apply(const at::Tensor& maxima) {
+#ifdef QCONF_WITH_CUDA
+    if (on_cuda()) {
+      qconf::fused_step_cuda_apply(cuda(), steps, maxima);
+      return;
+    }
+#endif
     check_cpu("apply");
     qconf::fused_step_cpu_apply(*workspace, steps, maxima);
   }
+  bool on_cuda() const { return !params.empty() && params[0].is_cuda(); }
   void check_cpu(const char* what) const {
-    TORCH_CHECK(params.empty() || !params[0].is_cuda(), "qconf StepPlan.", what,
-                ": the split step is not supported on CUDA (CPU plans only); use run()");
+    TORCH_CHECK(!on_cuda(), "qconf StepPlan.", what,
+                ": this build of qconf has no CUDA kernels; the split step of CUDA parameters needs them");
   }
+#ifdef QCONF_WITH_CUDA
+  qconf::CudaWorkspace& cuda() {
+    if (!cuda_workspace) cuda_workspace = qconf::make_cuda_workspace();
+    return *cuda_workspace;
+  }
+#endif
 };
 
 }  // namespace

@@ -1,9 +1,11 @@
-// The fused optimizer step on CUDA: the same contract and the same per-element math as the CPU
-// driver (csrc/cpu/step.cpp), run as a few multi-tensor launches on the current stream.
+// The generic fused optimizer step on CUDA: the same contract and the same per-element math as the
+// CPU driver (csrc/cpu/step.cpp), run as a few multi-tensor launches on the current stream, for
+// any codec; the entry points (csrc/cuda/cuda_step.cu) give it the tensors that no specialized
+// kernel (qconf/spec.h) takes, and all of them unless QCONF_CUDA_KERNELS=specialized.
 //
-// Host: the arguments are checked and described by the shared code in qconf/step_host.h (one copy
-// of the Scalars, RNG keys, codec descriptions and single/two-pass decisions for both drivers),
-// then planned by qconf/cuda_plan.h (chunks, shared slots, work items, scratch layout, the buffer
+// Host: the tensors come described by the shared code in qconf/step_host.h (one copy of the
+// Scalars, RNG keys, codec descriptions and single/two-pass decisions for both drivers), then are
+// planned by qconf/cuda_plan.h (chunks, shared slots, work items, scratch layout, the buffer
 // of descriptors, work items and tables); this file only allocates, copies and launches. The
 // buffer goes to the device in one copy from pinned memory; scratch (absmax partials, new
 // reciprocals and scales, factored sums) is one device allocation.
@@ -39,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda_driver.h"
 #include "qconf/cuda_plan.h"
 #include "qconf/element.h"
 #include "qconf/factored.h"
@@ -729,27 +732,11 @@ void launch_step(cudaStream_t stream, const Plan& plan, const DeviceBuffer& d, f
 
 }  // namespace
 
-void fused_step_cuda(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
-                     at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
-                     c10::ArrayRef<double> hyper, int64_t seed) {
-  const int64_t T = static_cast<int64_t>(params.size());
-  host::check_call(rule, params, grads, steps, states, meta, tables, hyper);
-  if (T == 0) return;
-  TORCH_CHECK(params[0].is_cuda(), "qconf fused_step (CUDA): parameter 0 is not a CUDA tensor");
-  const at::Device device = params[0].device();
-  TORCH_CHECK(tables.is_cpu() || tables.device() == device, "qconf fused_step (CUDA): tables must be on the CPU or on ",
-              device.str());
-  c10::cuda::CUDAGuard guard(device);
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-
-  // Describe the tensors with the tables' address (host or device), plan the launches.
-  const bool tables_on_host = tables.is_cpu();
-  const float* tab = tables.data_ptr<float>();
-  host::CallDescs call;
-  host::describe_tensors(rule, params, grads, steps, states, meta, tab, tables.size(0), hyper, seed, device, "CUDA",
-                         call);
-  check_supported(call.descs);
-  Plan plan = plan_call(call.descs);
+void run_generic(int64_t rule, const std::vector<TensorDesc>& descs, const at::Tensor& tables, const float* tab,
+                 const at::Device& device, cudaStream_t stream) {
+  if (descs.empty()) return;
+  check_supported(descs);
+  Plan plan = plan_call(descs);
 
   at::Tensor scratch = at::empty({std::max<int64_t>(plan.scratch.total(), 1)},
                                  at::TensorOptions().dtype(at::kFloat).device(device));
@@ -760,6 +747,7 @@ void fused_step_cuda(int64_t rule, at::TensorList params, at::TensorList grads, 
 
   // One buffer, one copy: descriptors, work items, copy items, and the tables if they are on the
   // host, in which case every table pointer moves to the tables' copy in the device buffer.
+  const bool tables_on_host = tables.is_cpu();
   const size_t table_bytes = tables_on_host ? sizeof(float) * static_cast<size_t>(tables.numel()) : 0;
   const BufferLayout L = buffer_layout(plan, table_bytes);
   at::Tensor dbuf = at::empty({static_cast<int64_t>(L.size)}, at::TensorOptions().dtype(at::kByte).device(device));

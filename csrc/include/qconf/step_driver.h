@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "qconf/layout.h"
@@ -45,12 +46,38 @@ std::tuple<at::Tensor, at::Tensor> fused_step_cpu_reduce(CpuWorkspace& ws, int64
                                                          int64_t seed);
 void fused_step_cpu_apply(CpuWorkspace& ws, at::TensorList steps, const at::Tensor& maxima);
 
+// Which kernels the CUDA step runs, from the environment variable QCONF_CUDA_KERNELS: "generic"
+// (the default: the kernel a GPU has verified) or "specialized" (the specialized kernels of
+// qconf/spec.h where a spec exists, the generic kernel for the rest). Any other value is an error
+// naming the two. (In every build: the Python side asks it through torch.ops.qconf.cuda_kernels.)
+std::string cuda_kernels_mode();
+
 #ifdef QCONF_WITH_CUDA
-// The same step for parameters, gradients and states on one CUDA device (csrc/cuda/step.cu);
+// The same step for parameters, gradients and states on one CUDA device (csrc/cuda/cuda_step.cu);
 // `steps` and `meta` stay on the CPU, `tables` may be on the CPU or on that device.
 void fused_step_cuda(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
                      at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                      c10::ArrayRef<double> hyper, int64_t seed);
+
+// The CUDA step's host state kept between steps (the specialized kernels' plan, run-time
+// compiled modules, scratch): a StepPlan keeps one.
+struct CudaWorkspace;
+std::shared_ptr<CudaWorkspace> make_cuda_workspace();
+void fused_step_cuda_reusing(CudaWorkspace& ws, int64_t rule, at::TensorList params, at::TensorList grads,
+                             at::TensorList steps, at::TensorList states, const at::Tensor& meta,
+                             const at::Tensor& tables, c10::ArrayRef<double> hyper, int64_t seed);
+
+// The split step on CUDA (as fused_step_cpu_reduce / _apply): specialized kernels only, so
+// QCONF_CUDA_KERNELS=specialized, CPU tables and every parameter of a specialized spec (else an
+// error naming why). The maxima are a float32 tensor on the device (rank-1 states only: the other
+// states of specialized kernels are single-pass), in the CPU step's order; apply() checks them
+// with one synchronization.
+std::tuple<at::Tensor, at::Tensor> fused_step_cuda_reduce(CudaWorkspace& ws, int64_t rule, at::TensorList params,
+                                                          at::TensorList grads, at::TensorList steps,
+                                                          at::TensorList states, const at::Tensor& meta,
+                                                          const at::Tensor& tables, c10::ArrayRef<double> hyper,
+                                                          int64_t seed);
+void fused_step_cuda_apply(CudaWorkspace& ws, at::TensorList steps, const at::Tensor& maxima);
 #endif
 
 }  // namespace qconf
