@@ -40,6 +40,31 @@ def test_lines_are_built_where_exact_and_match_the_count(map, signed):
     assert torch.equal(estimate_codes(row, mids, n), _count(mids, n))
 
 
+@pytest.mark.parametrize("bits", [5, 6, 7])
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("map", [m for m in MAP_NAMES if m != "ternary"])
+def test_5_to_7_bit_maps_get_exact_lines(map, signed, bits):
+    # the CUDA kernels' nearest rounding for 5-7-bit codes (the CPU kernel keeps its search there)
+    mids = _mids(map, signed, bits)
+    row = octave_lines(mids)
+    assert row is not None
+    assert torch.equal(codec_table(Codec(bits=bits, map=map, signed=signed))[7], row)
+    g = torch.Generator().manual_seed(bits)
+    n = torch.cat([torch.rand(100_000, generator=g) * 2 - 1, torch.rand(20_000, generator=g) ** 40,
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, float("inf"), float("-inf"), float("nan")]),
+                   mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))])
+    assert torch.equal(estimate_codes(row, mids, n), _count(mids, n))
+
+
+def test_lines_reach_past_the_octave_where_the_map_gets_sparser_at_its_end():
+    # 7-bit signed dynamic exponent: a decade boundary just below 1/8 and 1/64; lines through each
+    # octave's own midpoints overshoot the code at the octave's end, lines through its neighbours too do not
+    from qconf.codec.octave_lines import _finish, _fit
+    mids = _mids("nonlinear", True, 7)
+    assert _finish(_fit(mids, reach=False), mids) is None
+    assert _finish(_fit(mids, reach=True), mids) is not None
+
+
 def test_4bit_codecs_keep_the_search_in_the_table():
     assert not codec_table(Codec(bits=4, map="nonlinear", signed=True))[7].any()
 

@@ -55,6 +55,9 @@ EXTRA = {
     "narrow": {"min_numel": 0, "states": {
         "exp_avg": _state(bits=2, map="linear", signed=False, group_size=8),
         "exp_avg_sq": _state(bits=1, map="power-1", signed=False, group_size=2048)}},
+    "odd_widths": {"min_numel": 64, "states": {  # 3-bit octets straddle 4-byte words, 7-bit ones two
+        "exp_avg": _state(bits=3, group_size=32),
+        "exp_avg_sq": _state(bits=7, map="power-2", signed=False, group_size=64)}},
     "wide_sr8": {"min_numel": 64, "states": {
         "exp_avg": _state(bits=8, rounding="stochastic", group_size=1024),
         "exp_avg_sq": _state(bits=8, map="power-2", signed=False, group_size=32)}},
@@ -88,7 +91,8 @@ CASES = ([(c, o, torch.float32) for c in SHIPPED + sorted(EXTRA) for o in ("adam
          + [(c, o, torch.bfloat16) for c in ("default.yml", "2nd_moment_group_128.yml", "8bit.yml", "fp32.yml",
                                              "stochastic") for o in ("adamw", "sgd")]
          + [(f"weights_{w}", o, d) for w in sorted(WEIGHTS) for o in ("adamw", "lion")
-            for d in (torch.bfloat16, torch.float16)])
+            for d in (torch.bfloat16, torch.float16)]
+         + [("weights_sr", "sgd", torch.bfloat16)])
 STEPS = 4
 
 
@@ -137,15 +141,39 @@ def _spec_names(opt):
     return names
 
 
-def _run(case, emu=None, steps=STEPS):
-    """STEPS steps of the case: the CPU fused step, or (emu) the emulated specialized step."""
+# Values that take the kernels' rare paths, a parameter and the gradient it sees at step 1 at the
+# same element: NaN (two payloads), infinities, the largest bf16 pushed past it (stochastic rounding
+# saturates there), beyond the fp16 range, subnormals, -0
+SPECIAL_PARAMS = [float("nan"), -float("nan"), float("inf"), -float("inf"), 3.3895313892515355e38, -3.0e38, 7.0e4,
+                  1e-40, -0.0]
+SPECIAL_GRADS = [1.0, float("nan"), float("inf"), -float("inf"), -3.0e38, 1e30, -1e-42, 3.0e38, 0.0]
+
+
+def _poison(tensors, values, stride):
+    """Writes `values` into every tensor at elements 1, 1 + stride, ... (as far as it reaches)."""
+    with torch.no_grad():
+        for t in tensors:
+            flat = t.view(-1)
+            for k, v in enumerate(values):
+                if 1 + k * stride < flat.numel():
+                    flat[1 + k * stride] = v
+
+
+def _run(case, emu=None, steps=STEPS, special=False):
+    """STEPS steps of the case: the CPU fused step, or (emu) the emulated specialized step;
+    special: with the SPECIAL values in the parameters, and in the gradients of step 1."""
     config, opt_name, dtype = case
     params = _params(dtype)
+    if special:
+        _poison(params, SPECIAL_PARAMS, 37)
     opt = OPTIMIZERS[opt_name](params, _config(config))
     if emu is not None:
         opt._fused_step = lambda group: _emulated_step(emu, opt, group)
     for step in range(steps):
-        for p, gr in zip(params, _grads(step, dtype)):
+        grads = _grads(step, dtype)
+        if special and step == 1:
+            _poison(grads, SPECIAL_GRADS, 37)
+        for p, gr in zip(params, grads):
             p.grad = gr
         opt.step()
     return params, opt
@@ -312,6 +340,36 @@ def test_emulated_specialized_step_equals_cpu_fused(case, emu):
         assert torch.equal(got[k], want[k]), k
 
 
+def _bits(t):
+    """The tensor's raw bits (NaN payloads and signed zeros compare too)."""
+    if t.is_floating_point():
+        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+SPECIAL_CASES = [("default.yml", "adamw", torch.float32), ("8bit.yml", "adamw", torch.float32),
+                 ("default.yml", "adamw", torch.bfloat16), ("2nd_moment_group_128.yml", "adamw", torch.bfloat16),
+                 ("weights_sr", "adamw", torch.bfloat16), ("weights_sr", "sgd", torch.bfloat16),
+                 ("weights_sr", "lion", torch.float16),
+                 ("weights_sr_kahan_q4", "adamw", torch.bfloat16), ("stochastic", "sgd", torch.float32)]
+
+
+@pytest.mark.parametrize("case", SPECIAL_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+def test_special_values_take_the_same_rare_paths(case, emu):
+    """NaN, infinities, the largest finite bf16 and subnormals in parameters and gradients: the
+    emulated kernels' rare paths (NaN quads, stochastic rounding's range, Inf maxima, IEEE slow
+    paths) give the CPU kernel's bits, NaN payloads and signs of zero included."""
+    want_params, want_opt = _run(case, special=True)
+    got_params, got_opt = _run(case, emu, special=True)
+    assert any(torch.isnan(p).any() for p in want_params)  # (the values reached the parameters)
+    for i, (a, b) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} of shape {tuple(a.shape)}"
+    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+
+
 def test_the_cases_reach_the_specialized_kernels(emu):
     """Most tensors of the sweep are specialized (else the sweep would test the generic path)."""
     total = specialized = 0
@@ -325,7 +383,7 @@ def test_the_cases_reach_the_specialized_kernels(emu):
     assert specialized >= 0.7 * total, (specialized, total)
     for needed in ("q4.g128.search", "q4.r1.grid", "q8.g256.lines_s", "q8.g256.lines_u", "q4.g64.sr", "q4.r1.sr",
                    "q2.g8.search", "q1.g2048.search", "q8.g1024.sr", "q8.g32.search", "q8.g128.grid",
-                   "q8.g128.lines_s", "q5.g128.search", "q7.r1.grid", "q4.g2048.search"):
+                   "q8.g128.lines_s", "q5.g128.lines_s", "q7.g128.lines_s", "q3.g32.search", "q7.g64.lines_u", "q7.r1.grid", "q4.g2048.search"):
         assert needed in kinds, needed
 
 

@@ -96,8 +96,8 @@ def codec_table(codec: Any) -> torch.Tensor:
        then from [64] both shifted by 7, 3 and 1 (``t[min(j + s, 31)]``), 32 each
     5. columns of the midpoints: [j*32 + k] = midpoints[8k+j], j < 7
     6. columns of qmap+inf:      [j*32 + k] = qsearch[8k+j], j < 7
-    7. 8-bit maps: the octave lines of the midpoints (:mod:`qconf.codec.octave_lines`), or
-       zeros (search)
+    7. 5- to 8-bit maps: the octave lines of the midpoints (:mod:`qconf.codec.octave_lines`), or
+       zeros (search; 4-bit maps keep their 16-entry search, which is as cheap)
     8, 9. rows 0 and 1 as 16-bit planes: the low halves of the 256 entries, then the high halves
     10, 11. rows 0 and 1 as byte planes: byte 0 of the 256 entries, then byte 1, 2, 3
        (raw bits in float32 storage, for the kernels' byte/word permutes: ``Isa::lookup256n``)
@@ -130,7 +130,7 @@ def codec_table(codec: Any) -> torch.Tensor:
     for j in range(7):
         t[5, j * 32:(j + 1) * 32] = mids[cols + j]
         t[6, j * 32:(j + 1) * 32] = qsearch[cols + j]
-    lines = octave_lines(codec.midpoints) if codec.bits == 8 else None
+    lines = octave_lines(codec.midpoints) if codec.bits >= 5 else None
     if lines is not None:
         t[7] = lines
     t[8], t[10] = _planes(t[0])

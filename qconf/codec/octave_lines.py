@@ -78,14 +78,22 @@ def _line_error(mids: torch.Tensor, ks: list[int], line: tuple[float, float]) ->
     return float((j - torch.tensor(ks, dtype=torch.float32)).abs().max())
 
 
-def _fit(mids: torch.Tensor) -> torch.Tensor:
-    """Lines per octave of the positive midpoints (float32[256] row, form not yet set)."""
+def _fit(mids: torch.Tensor, reach: bool = False) -> torch.Tensor:
+    """Lines per octave of the positive midpoints (float32[256] row, form not yet set).
+
+    ``reach``: fit each octave's lines through its neighbouring midpoints too (the last one below
+    and the first one above it). Where the map gets sparser between an octave's last midpoint
+    and the next one (a 7-bit map's decade boundary just below a power of two), a line through the
+    octave's own points alone overshoots the code at the octave's end; one that reaches the next
+    midpoint does not."""
     row = torch.zeros(256, dtype=torch.float32)
     m = mids.tolist()
     for o in range(OCTAVES):
         lo = 0.0 if o == 0 else 2.0 ** (o - 31)
         hi = float("inf") if o == OCTAVES - 1 else 2.0 ** (o - 30)
         ks = [k for k, v in enumerate(m) if lo <= v < hi]  # octave 0 holds a zero midpoint too
+        if ks and reach:
+            ks = [k for k in (ks[0] - 1,) if k >= 0 and m[k] > 0] + ks + [k for k in (ks[-1] + 1,) if k < len(m)]
         if not ks:
             # no midpoint: t is the number below; rint(below - 0.5) is below - 1 or below
             below = sum(1 for v in m if v < lo)
@@ -162,7 +170,15 @@ def octave_lines(mids: torch.Tensor) -> torch.Tensor | None:
     mids = mids.to(torch.float32).contiguous()
     if mids.numel() < 2 or mids.numel() >= TABLE or not bool(torch.all(mids[1:] > mids[:-1])):
         return None
-    row = _fit(mids)
+    for reach in (False, True):  # the octave's own midpoints first; then through its neighbours
+        row = _finish(_fit(mids, reach), mids)
+        if row is not None:
+            return row
+    return None
+
+
+def _finish(row: torch.Tensor, mids: torch.Tensor) -> torch.Tensor | None:
+    """``row`` with its form (and a signed map's mirror K) set, if it is exact; else None."""
     if float(mids[0]) > 0:
         row[161] = FORM_UNSIGNED
     else:

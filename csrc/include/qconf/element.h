@@ -65,6 +65,15 @@ QCONF_HD float qdiv(float a, float b) {
 #endif
 }
 
+// 1 / x, correctly rounded: the same value as qdiv(1, x), by the GPU's cheaper IEEE reciprocal.
+QCONF_HD float qrcp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(x);
+#else
+  return 1.0f / x;
+#endif
+}
+
 // a * b + c rounded once (-ffp-contract=off never fuses on its own, so only where asked)
 QCONF_HD float qfma(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
@@ -358,28 +367,35 @@ QCONF_HD int quantize_grid(float n, float L, float c, float top) {
 // below 2 and floored at 2^-31, and its octave (biased exponent mod 32) in the line tables.
 template <bool SIGNED>
 QCONF_HD int line_octave(float n, float& a) {
-  if (SIGNED) {
+  if (SIGNED) {  // the octave of max(a, 2^-31): the exponent floored at 96, without an integer max
     const float m = bits_f32(f32_bits(n) & 0x7fffffffu);
     a = 1.99999988f < m ? 1.99999988f : m;
-    const uint32_t o = f32_bits(a) >> 23;
-    return static_cast<int>((o > 96u ? o : 96u) & 31u);
+    const float floored = a > 4.65661287e-10f ? a : 4.65661287e-10f;
+    return static_cast<int>((f32_bits(floored) >> 23) & 31u);
   }
   a = n > 4.65661287e-10f ? n : 4.65661287e-10f;
   a = 1.99999988f < a ? 1.99999988f : a;
   return static_cast<int>((f32_bits(a) >> 23) & 31u);
 }
 
-// The nearest code from the octave's lines (s1, a1), (s2, a2) and the mirror K of signed maps.
+// The nearest code of a normalized n (not NaN) from the octave's lines (s1, a1), (s2, a2) and the
+// mirror K of signed maps.
 template <bool SIGNED, class T>
 QCONF_HD int quantize_lines(float n, float a, float s1, float a1, float s2, float a2, float mirror, const T& mids) {
   const float j1 = qfma(a, s1, a1), j2 = qfma(a, s2, a2);
+#if defined(__CUDA_ARCH__)
+  float j = fminf(j1, j2);  // (a is never NaN, so neither is j: fminf is j1 < j2 ? j1 : j2)
+#else
   float j = j1 < j2 ? j1 : j2;
+#endif
   if (SIGNED && n < 0.0f) j = mirror - j;
 #if defined(__CUDA_ARCH__)
   int r = __float2int_rn(j);
 #else
   int r = static_cast<int>(__builtin_rintf(j));
 #endif
+  // a signed map's mirror of a value just below -1 (x * (1 / x) may round one ulp past 1) or of
+  // -inf lands below 0: code 0, as the CPU's vector form clamps it
   if (SIGNED) r = r > 0 ? r : 0;
   return r + (mids[r] < n ? 1 : 0);
 }

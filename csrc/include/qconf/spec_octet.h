@@ -139,11 +139,78 @@ QCONF_HD void store_u16(void* base, int64_t e, int cnt, const uint16_t in[N]) {
   }
 }
 
-// The 16-bit patterns (nearest even) of N fp32 values in dtype DT.
+// The 16-bit patterns (nearest even) of N fp32 values in dtype DT, two per word (value 2i in the
+// low half of word i), by element.h's conversions.
 template <int DT, int N>
-QCONF_HD void round_values(const float in[N], uint16_t out[N]) {
+QCONF_HD void round_words_exact(const float in[N], uint32_t out[N / 2]) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) out[j] = DT == kBF16 ? f32_to_bf16_rne(in[j]) : f32_to_f16_rne(in[j]);
+  for (int j = 0; j < N / 2; ++j) {
+    const uint16_t a = DT == kBF16 ? f32_to_bf16_rne(in[2 * j]) : f32_to_f16_rne(in[2 * j]);
+    const uint16_t b = DT == kBF16 ? f32_to_bf16_rne(in[2 * j + 1]) : f32_to_f16_rne(in[2 * j + 1]);
+    out[j] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+  }
+}
+
+// round_words_exact of four values, out of line on the GPU: the rare values the hardware
+// conversion does not take (below).
+template <int DT>
+QCONF_COLD uint64_t round4_cold(float a, float b, float c, float d) {
+  const float in[4] = {a, b, c, d};
+  uint32_t w[2];
+  round_words_exact<DT, 4>(in, w);
+  return static_cast<uint64_t>(w[0]) | (static_cast<uint64_t>(w[1]) << 32);
+}
+
+// round_words_exact, on the GPU by the hardware's conversion (two values per instruction), which
+// gives the same bits for every value but NaN, whose sign and payload element.h keeps: a quad
+// holding a NaN takes element.h.
+template <int DT, int N>
+QCONF_HD void round_words(const float in[N], uint32_t out[N / 2]) {
+#if defined(__CUDA_ARCH__)
+  static_assert(N % 4 == 0, "whole quads");
+#pragma unroll
+  for (int q = 0; q < N; q += 4) {
+    uint32_t lo, hi;  // the upper half converts the first operand
+    if (DT == kBF16) {
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(in[q + 1]), "f"(in[q]));
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(in[q + 3]), "f"(in[q + 2]));
+    } else {
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(in[q + 1]), "f"(in[q]));
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(in[q + 3]), "f"(in[q + 2]));
+    }
+    uint32_t nan;  // whether the quad holds a NaN: two unordered compares of pairs
+    asm("{\n .reg .pred p;\n setp.nan.f32 p, %1, %2;\n setp.nan.or.f32 p, %3, %4, p;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(nan) : "f"(in[q]), "f"(in[q + 1]), "f"(in[q + 2]), "f"(in[q + 3]));
+    if (nan) {
+      const uint64_t w = round4_cold<DT>(in[q], in[q + 1], in[q + 2], in[q + 3]);
+      lo = static_cast<uint32_t>(w);
+      hi = static_cast<uint32_t>(w >> 32);
+    }
+    out[q / 2] = lo;
+    out[q / 2 + 1] = hi;
+  }
+#else
+  round_words_exact<DT, N>(in, out);
+#endif
+}
+
+// N 16-bit patterns, two per word, stored from element e (up to cnt; nothing for a thread without
+// elements).
+template <int N, bool FULL>
+QCONF_HD void store_words(void* base, int64_t e, int cnt, const uint32_t w[N / 2]) {
+  uint16_t* d = static_cast<uint16_t*>(base) + e;
+#if defined(__CUDA_ARCH__)
+  if constexpr (FULL) {
+    if (cnt <= 0) return;
+    if constexpr (N == 8) *reinterpret_cast<uint4*>(d) = make_uint4(w[0], w[1], w[N / 2 - 2], w[N / 2 - 1]);
+    else *reinterpret_cast<uint2*>(d) = make_uint2(w[0], w[1]);
+  } else
+#endif
+  {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (j < cnt) d[j] = static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2)));
+  }
 }
 
 // The word type of an octet of BITS-bit codes where it is one (1, 2, 4 or 8 bytes: kWhole).
@@ -157,6 +224,43 @@ template <> struct CodeWord<2> { static constexpr bool kWhole = true; using type
 template <> struct CodeWord<4> { static constexpr bool kWhole = true; using type = uint32_t; };
 template <> struct CodeWord<8> { static constexpr bool kWhole = true; using type = uint64_t; };
 
+// Eight codes of BITS bits as an octet's little-endian word (code j at bits [j * BITS, ...)). On
+// the GPU whole bytes are assembled with byte permutes (PRMT): 8-bit codes 3 per 4 codes, 4-bit
+// ones a shift-add per pair then the same, instead of a 64-bit shift and or per code.
+template <int BITS>
+QCONF_HD uint64_t pack_codes(const uint32_t c[kElems]) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (BITS == 8 || BITS == 4) {
+    uint32_t b[kElems];  // the octet's bytes (8-bit: a code each; 4-bit: b[0..3], two codes each)
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) b[j] = BITS == 8 ? c[j] : (j < 4 ? c[2 * j] | (c[2 * j + 1] << 4) : 0u);
+    const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x1140), __byte_perm(b[2], b[3], 0x1140), 0x5410);
+    if constexpr (BITS == 4) return lo;
+    const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x1140), __byte_perm(b[6], b[7], 0x1140), 0x5410);
+    return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+  }
+#endif
+  uint64_t w = 0;
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) w |= static_cast<uint64_t>(c[j]) << (j * BITS);
+  return w;
+}
+
+// The low word of (hi:lo) >> s, s < 32 (one funnel shift on the GPU).
+QCONF_HD uint32_t funnel_right(uint32_t lo, uint32_t hi, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_r(lo, hi, s);
+#else
+  return static_cast<uint32_t>((static_cast<uint64_t>(hi) << 32 | lo) >> s);
+#endif
+}
+
+// A whole octet of 3-, 5-, 6- or 7-bit codes is read as the 4-byte-aligned words that hold its
+// bytes (two, or three where they straddle), shifted into place: a few loads instead of one per
+// byte. The words may hold neighbouring octets' bytes, never memory of another page (an aligned
+// word lies in one page; the buffer is 16-byte aligned, so the first word starts inside it); the
+// second and third words are read only when the octet reaches into them.
+//
 // The BITS bytes of the octet starting at element e (a multiple of 8) as a little-endian word:
 // element j's code is bits [j * BITS, (j + 1) * BITS). A partial octet has only its own bytes.
 template <int BITS, bool FULL>
@@ -165,6 +269,16 @@ QCONF_HD uint64_t load_codes(const uint8_t* codes, int64_t e, int cnt) {
   using W = typename CodeWord<BITS>::type;
   if constexpr (FULL && CodeWord<BITS>::kWhole) {
     return load_word<W>(b);
+  } else if constexpr (FULL) {
+    const uint32_t skip = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(b) & 3u);
+    const uint8_t* w = b - skip;
+    const uint32_t w0 = load_word<uint32_t>(w);
+    const uint32_t w1 = skip + BITS > 4 ? load_word<uint32_t>(w + 4) : 0u;
+    const uint32_t w2 = skip + BITS > 8 ? load_word<uint32_t>(w + 8) : 0u;
+    // bytes skip .. skip + BITS of w2:w1:w0
+    const uint32_t lo = funnel_right(w0, w1, 8 * skip);
+    if constexpr (BITS < 4) return lo & ((1u << (8 * BITS)) - 1u);
+    else return static_cast<uint64_t>(funnel_right(w1, w2, 8 * skip) & ((1u << (8 * (BITS - 4))) - 1u)) << 32 | lo;
   } else {
     const int nbytes = FULL ? BITS : (cnt * BITS + 7) / 8;
     uint64_t w = 0;
@@ -182,6 +296,9 @@ QCONF_HD void store_codes(uint8_t* codes, int64_t e, int cnt, uint64_t w) {
   if (FULL && cnt <= 0) return;
   if constexpr (FULL && CodeWord<BITS>::kWhole) {
     store_word<W>(b, static_cast<W>(w));
+  } else if constexpr (FULL && BITS == 6) {  // (6 * octet bytes from a 2-byte aligned buffer)
+#pragma unroll
+    for (int k = 0; k < 3; ++k) store_word<uint16_t>(b + 2 * k, static_cast<uint16_t>(w >> (16 * k)));
   } else {
     const int nbytes = FULL ? BITS : (cnt * BITS + 7) / 8;
 #pragma unroll
@@ -591,14 +708,13 @@ QCONF_HD uint32_t octet_absmax(const float x[kElems], int cnt) {
 template <class St, bool FULL>
 QCONF_HD uint64_t quantize_octet(const StateLook<St>& tab, const float x[kElems], const float r[kElems],
                                  const StreamKey& key, int64_t e, int cnt) {
-  uint64_t w = 0;
+  uint32_t c[kElems];
 #pragma unroll
   for (int j = 0; j < kElems; ++j) {
     const float u = St::kStochastic ? uniform01(hash_bits(key, static_cast<uint64_t>(e + j))) : 0.0f;
-    const uint32_t c = static_cast<uint32_t>(tab.code(x[j], r[j], u));
-    if (FULL || j < cnt) w |= static_cast<uint64_t>(c) << (j * St::kBits);
+    c[j] = FULL || j < cnt ? static_cast<uint32_t>(tab.code(x[j], r[j], u)) : 0u;
   }
-  return w;
+  return pack_codes<St::kBits>(c);
 }
 
 // The new value of state k stored: fp32 / 16-bit values, or codes with the new scale -- a group's
@@ -611,14 +727,14 @@ QCONF_HD void store_state(const View& v, int k, const StateLook<St>& tab, const 
   if constexpr (St::kKind == kFp32) {
     store_f32<kElems, FULL>(v.data[k], at.lo, at.cnt, x);
   } else if constexpr (St::kKind == kParamDtype) {
-    uint16_t h[kElems];
-    round_values<PD, kElems>(x, h);
-    store_u16<kElems, FULL>(v.data[k], at.lo, at.cnt, h);
+    uint32_t w[kElems / 2];
+    round_words<PD, kElems>(x, w);
+    store_words<kElems, FULL>(v.data[k], at.lo, at.cnt, w);
   } else if constexpr (St::kQuantized) {
     float r[kElems];
     if constexpr (St::kGroupScale) {
       const float scale = scale_from_absmax_bits(m);
-      const float rc = normalize0(qdiv(1.0f, scale));
+      const float rc = normalize0(qrcp(scale));
 #pragma unroll
       for (int j = 0; j < kElems; ++j) r[j] = rc;
       if (at.lo % St::kGroup == 0 && at.cnt > 0) v.scales[k][at.lo / St::kGroup] = scale;
@@ -647,6 +763,45 @@ struct OldStates {
   OldState<typename S::Comp, S::kPDtype, FULL> oc;
 };
 
+// f32_to_bf16_sr of two values as a word, out of line on the GPU (round_bf16_sr's rare case).
+QCONF_COLD uint32_t bf16_sr_pair_cold(float a, float b, uint32_t ra, uint32_t rb) {
+  return f32_to_bf16_sr(a, ra) | static_cast<uint32_t>(f32_to_bf16_sr(b, rb)) << 16;
+}
+
+// Stochastic rounding of N fp32 values into bf16 (f32_to_bf16_sr with element e + j's random
+// bits), as N / 2 words. When every magnitude is at most the largest finite bf16 (bits
+// 0x7F7F0000), the top half of u + r16 is the answer: the sum cannot carry into the exponent's
+// all-ones or the sign. Otherwise (NaN, infinities, larger values) element.h for each.
+template <int N>
+QCONF_HD void round_bf16_sr(const float x[N], const StreamKey& key, uint64_t e, uint32_t out[N / 2]) {
+  constexpr float kLargest = 3.3895313892515355e38f;
+  uint32_t h[N];
+  bool plain = true;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    h[j] = hash_bits(key, e + j) >> 16;
+#if defined(__CUDA_ARCH__)
+    plain &= fabsf(x[j]) <= 3.3895313892515355e38f;  // bits 0x7F7F0000 (false for NaN)
+#else
+    plain &= __builtin_fabsf(x[j]) <= 3.3895313892515355e38f;
+#endif
+  }
+  if (plain) {
+#pragma unroll
+    for (int j = 0; j < N; j += 2) {
+      const uint32_t lo = f32_bits(x[j]) + h[j], hi = f32_bits(x[j + 1]) + h[j + 1];
+#if defined(__CUDA_ARCH__)
+      out[j / 2] = __byte_perm(lo, hi, 0x7632);  // the upper halves: lo's low, hi's high
+#else
+      out[j / 2] = (lo >> 16) | (hi & 0xffff0000u);
+#endif
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; j += 2) out[j / 2] = bf16_sr_pair_cold(x[j], x[j + 1], h[j], h[j + 1]);
+  }
+}
+
 // Half h of the octet: loads, the rule, the new parameter -- fp32, or for a 16-bit one rounded
 // (nearest, stochastic, Kahan-compensated) -- stored.
 template <class S, bool FULL>
@@ -674,13 +829,23 @@ QCONF_HD void compute_half(const SpecArgs& a, const SpecLooks<S>& tabs, const Vi
     store_f32<kHalf, FULL>(v.param, lo, cnt, p);
   } else {
     if constexpr (S::kKahan) old.oc.half(v, 2, tabs.tc, at, h, c);
+    if constexpr (bf16 && S::kWeightsSR && !S::kKahan) {
+      uint32_t w[kHalf / 2];
+      round_bf16_sr<kHalf>(p, keys.k[2], v.ub + lo, w);
+      store_words<kHalf, FULL>(v.param, lo, cnt, w);
+    } else if constexpr (S::kKahan || S::kWeightsSR) {
 #pragma unroll
-    for (int j = 0; j < kHalf; ++j) {
-      const uint32_t hb = S::kWeightsSR ? hash_bits(keys.k[2], static_cast<uint64_t>(v.ub + lo + j)) : 0u;
-      pbits[j] = S::kKahan ? kahan_write(p[j], pbits[j], c[j], bf16, S::kWeightsSR, hb)
-                           : round_half(p[j], bf16, S::kWeightsSR, hb);
+      for (int j = 0; j < kHalf; ++j) {
+        const uint32_t hb = S::kWeightsSR ? hash_bits(keys.k[2], static_cast<uint64_t>(v.ub + lo + j)) : 0u;
+        pbits[j] = S::kKahan ? kahan_write(p[j], pbits[j], c[j], bf16, S::kWeightsSR, hb)
+                             : round_half(p[j], bf16, S::kWeightsSR, hb);
+      }
+      store_u16<kHalf, FULL>(v.param, lo, cnt, pbits);
+    } else {  // round_half without SR: nearest even
+      uint32_t w[kHalf / 2];
+      round_words<S::kPDtype, kHalf>(p, w);
+      store_words<kHalf, FULL>(v.param, lo, cnt, w);
     }
-    store_u16<kHalf, FULL>(v.param, lo, cnt, pbits);
   }
 #pragma unroll
   for (int j = 0; j < kHalf; ++j) {
