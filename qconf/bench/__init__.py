@@ -22,6 +22,9 @@ Modules, each importing only those listed before it:
     rss       the peak-RSS child process and its launcher
     measure   sizes, warm-up, interleaved timing rounds, ratios, CPU contention, machine info
     tables    the printed report (header, size tables, per-tensor overhead, footer)
+    sass      a kernel's cost from its machine code: cuobjdump SASS, the main loop's count, ptxas
+    cuda_static  the specialized CUDA kernels compiled for sm_90 and measured without a GPU
+              (``--cuda-static``, benchmarks/cuda_static.py)
     cli       options, run(), execute(), main()
 """
 from .cli import add_arguments, execute, main, run

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import cuda_static
 from .measure import SIZE_GROUPS, SLOW_FACTOR, bench_size, machine_info
 from .roster import CONFIGS, LR, WEIGHT_DECAY, contenders, default_config_dir, select
 from .rss import CHILD_MALLOC_ENV
@@ -56,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "configs shipped with qconf)")
     p.add_argument("--json", metavar="FILE", help="also write every number (raw per-round times too) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--cuda-static", action="store_true",
+                   help="instead of timing: compile the specialized CUDA kernels of every config in --configs for "
+                        "--arch (NVRTC, no GPU needed) and print registers, stack, spills, SASS per element and the "
+                        "H100 time they predict (benchmarks/cuda_static.py; docs/kernels.md)")
+    cuda_static.add_arguments(p)
 
 
 def canonical_command(prog: str, opts: argparse.Namespace) -> str:
@@ -125,6 +131,8 @@ def run(opts: argparse.Namespace, prog: str = "qconf bench",
 
 def execute(opts: argparse.Namespace, prog: str) -> int:
     """Run, print the report (each size's table as soon as it is done) and write --json; exit code."""
+    if opts.cuda_static:
+        return cuda_static.run_cli(opts, prog, sorted(Path(opts.configs or default_config_dir()).glob("*.yml")))
     if opts.list:
         for c in contenders(opts.configs or default_config_dir(), opts.min_numel):
             print(f"{c.key:30s} {c.label} ({str(c.dtype).replace('torch.', '')})")
