@@ -24,7 +24,8 @@ except ImportError as e:  # pragma: no cover - depends on the build
     _C = None
     _IMPORT_ERROR = str(e)
 
-__all__ = ["native_available", "native_error", "fused_available", "has_cuda_kernels", "layout", "row_kernels"]
+__all__ = ["native_available", "native_error", "fused_available", "has_cuda_kernels", "cuda_kernels", "layout",
+           "row_kernels"]
 
 
 def native_available() -> bool:
@@ -49,6 +50,16 @@ def native_error() -> str:
 def has_cuda_kernels() -> bool:
     """True when this build registered CUDA implementations of the fused step."""
     return _C is not None and torch._C._dispatch_has_kernel_for_dispatch_key("qconf::fused_step", "CUDA")
+
+
+def cuda_kernels() -> str:
+    """Which kernels the CUDA step runs: ``"generic"`` (the default, the kernel a GPU has verified)
+    or ``"specialized"`` (one kernel per spec, compiled ahead of time or at first use; opt-in with
+    ``QCONF_CUDA_KERNELS=specialized``: docs/kernels.md). Read from the environment at every call,
+    as the step reads it. RuntimeError for another value of the variable, or without the extension."""
+    if _C is None:
+        raise RuntimeError(f"the CUDA kernel choice needs the extension qconf._C ({native_error()})")
+    return torch.ops.qconf.cuda_kernels()
 
 
 @functools.cache

@@ -151,7 +151,8 @@ JitModule load_spec(CudaWorkspace& ws, const spec::SpecKey& key, int arch) {
 }
 
 // The kernels of `key`: ahead of time, or a module compiled at first use and kept by the workspace.
-// False (with a one-time warning) if it does not compile.
+// False (with a warning, once per spec and workspace: the workspace then plans it generic) if it
+// does not compile.
 bool resolve_kernels(CudaWorkspace& ws, const spec::SpecKey& key, const DeviceFacts& dev, LaunchKernels& k) {
   const AotKernels aot = aot_kernels(key);
   k.apply = aot.apply;
@@ -165,7 +166,7 @@ bool resolve_kernels(CudaWorkspace& ws, const spec::SpecKey& key, const DeviceFa
       try {
         ws.modules.push_back(load_spec(ws, key, dev.arch));
       } catch (const std::exception& e) {
-        TORCH_WARN_ONCE("qconf: the specialized CUDA kernel ", name, " did not compile (", e.what(),
+        TORCH_WARN("qconf: the specialized CUDA kernel ", name, " did not compile (", e.what(),
                         "); its tensors take the generic kernel");
         return false;
       }
@@ -334,6 +335,20 @@ void run_specialized(const CudaWorkspace& ws, cudaStream_t stream) {
   copy_new_scales(ws, stream);
 }
 
+// Refuses (before anything is written) a call whose generic-kernel tensors hold what that kernel
+// does not implement: a quantized Kahan buffer, which only the specialized kernels take.
+void check_generic_supported(const CudaWorkspace& ws, bool specialized) {
+  const int32_t T = static_cast<int32_t>(ws.call.descs.size());
+  for (int32_t i = 0; i < T; ++i) {
+    if (ws.call.descs[i].comp.kind != kQuant || (specialized && ws.plan.reasons[i].empty())) continue;
+    TORCH_CHECK(false, "qconf fused_step (CUDA): parameter ", i,
+                " has a quantized Kahan buffer (weights.compensation_codec), which only the specialized CUDA kernels "
+                "implement (QCONF_CUDA_KERNELS=specialized), ",
+                specialized ? "and it has none (" + ws.plan.reasons[i] + ")" : std::string("which are off"),
+                "; the buffer in the parameter's dtype (no compensation_codec) runs everywhere");
+  }
+}
+
 // The descriptions of the tensors the generic kernel takes.
 std::vector<TensorDesc> generic_descs(const CudaWorkspace& ws) {
   std::vector<TensorDesc> out;
@@ -407,14 +422,18 @@ void fused_step_cuda_reusing(CudaWorkspace& ws, int64_t rule, at::TensorList par
   c10::cuda::CUDAGuard guard(params[0].device());
   ReleaseCall release{ws};
   const at::Device device =
-      describe_cuda_call(ws, rule, params, grads, steps, states, meta, tables, hyper, seed, /*advance=*/true);
+      describe_cuda_call(ws, rule, params, grads, steps, states, meta, tables, hyper, seed, /*advance=*/false);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   // specialized kernels read the codecs' shortcuts from the tables on the host
-  if (cuda_kernels_mode() != "specialized" || !tables.is_cpu()) {
+  const bool specialized = cuda_kernels_mode() == "specialized" && tables.is_cpu();
+  if (specialized) plan_call(ws, rule, tables, device, seed);
+  check_generic_supported(ws, specialized);
+  // nothing has changed yet; from here on the step runs
+  for (size_t i = 0; i < steps.size(); ++i) host::advance_step(steps[i], static_cast<int64_t>(i));
+  if (!specialized) {
     run_generic(rule, ws.call.descs, tables, tables.data_ptr<float>(), device, stream);
     return;
   }
-  plan_call(ws, rule, tables, device, seed);
   align_grads(ws);
   run_specialized(ws, stream);
   run_generic(rule, generic_descs(ws), tables, tables.data_ptr<float>(), device, stream);

@@ -281,12 +281,14 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         return cached[1]
 
     def _cuda_unfused(self, p: torch.Tensor, index: int) -> str | None:
-        """What the CUDA kernel lacks for ``p``: a quantized Kahan buffer (the CPU kernel has it)."""
+        """What the CUDA kernels lack for ``p``: the generic kernel has no quantized Kahan buffer
+        (the CPU kernel and the specialized CUDA kernels have it)."""
         w = self.plan(index).weights
         if (p.device.type == "cuda" and p.dtype in wts.LOW_PRECISION and w.compensation == "kahan"
-                and w.compensation_codec is not None):
-            return ("a quantized Kahan buffer (weights.compensation_codec), which the CUDA kernel does not "
-                    "implement; drop compensation_codec to keep the buffer in the parameter's dtype")
+                and w.compensation_codec is not None and _native.cuda_kernels() != "specialized"):
+            return ("a quantized Kahan buffer (weights.compensation_codec), which only the specialized CUDA kernels "
+                    "implement (QCONF_CUDA_KERNELS=specialized); or drop compensation_codec to keep the buffer in "
+                    "the parameter's dtype")
         return None
 
     def _spec_signature(self, group: dict[str, Any]) -> tuple:

@@ -123,8 +123,10 @@ class GroupPlan:
 
     def reduce(self, hyper_values: list[float], seed: int, grads: Sequence[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """First half of :meth:`run` (CPU plans only), for a caller that combines the new scales
-        across ranks before they are used (FSDP: a state's scales belong to the global parameter).
+        """First half of :meth:`run`, for a caller that combines the new scales across ranks before
+        they are used (FSDP: a state's scales belong to the global parameter). CPU plans; CUDA
+        plans with the specialized kernels (``QCONF_CUDA_KERNELS=specialized``), every tensor of
+        which must have one (else RuntimeError, nothing written), the maxima then on the GPU.
 
         Computes the new value of every two-pass quantized state (tensor, dim0/dim1, rank-1
         scales and blocks too large for one tile) from ``grads`` -- one per parameter, shaped

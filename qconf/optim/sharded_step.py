@@ -16,8 +16,12 @@ Every rank steps its own shards. A state's scales belong to the *global* paramet
 
 A shard is fusable when every scale its states share with other shards is a rank1 or dim1 scale of
 the rule's states (group blocks must not straddle a shard boundary: FSDP2's dim-0 split must fall
-on block boundaries; a tensor scale must not be shared), it lives on the CPU (the split kernel is
-CPU only) and it is not empty; otherwise it takes the reference path, which handles every layout. Both give the same bits (tests/test_distributed_fsdp.py).
+on block boundaries; a tensor scale must not be shared), it lives on the CPU, or on a GPU with the
+specialized CUDA kernels (``QCONF_CUDA_KERNELS=specialized``: the generic CUDA kernel has no split;
+a CUDA shard that no specialized kernel takes -- e.g. a parameter not 16-byte aligned -- is then
+refused with a clear error before anything is written), and it is not empty; otherwise it takes
+the reference path, which handles every layout. Both give the same bits
+(tests/test_distributed_fsdp.py).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .. import _native
 from ..codec import Codec
 from .fused import GroupPlan, unfusable_reason
 from .sharded import ShardGeometry, ShardView, combine_scales, is_sharded, shard_geometry, store_encodes
@@ -112,8 +117,11 @@ class ShardedSteps:
         reason = unfusable_reason(t) or self._cuda_unfused(p, i)
         if reason is not None:
             return reason
-        if t.device.type != "cpu":
-            return f"device {t.device} (the split fused step of sharded param groups runs on CPU only)"
+        if t.device.type == "cuda" and _native.cuda_kernels() != "specialized":
+            return (f"device {t.device} (the split fused step of sharded parameters runs on CUDA with the specialized "
+                    "kernels only: QCONF_CUDA_KERNELS=specialized)")
+        if t.device.type not in ("cpu", "cuda"):
+            return f"device {t.device} (the split fused step runs on CPU and CUDA)"
         geo = shard_geometry(p)
         for spec, codec in self.planned_states(i):
             if spec.slot in (Slot.ROW, Slot.COL):

@@ -200,12 +200,11 @@ struct Plan {
   ScratchLayout scratch;
 };
 
-// The CUDA kernels' limits on what describe_tensors accepts.
+// The generic kernel has no quantized Kahan buffer; the driver refuses a call that would hand it
+// one before anything runs (cuda_step.cu: check_generic_supported), so this only asserts.
 inline void check_supported(const std::vector<TensorDesc>& descs) {
-  for (size_t i = 0; i < descs.size(); ++i)
-    TORCH_CHECK(descs[i].comp.kind != kQuant, "qconf fused_step (CUDA): parameter ", i,
-                " has a quantized Kahan buffer (weights.compensation_codec), which the CUDA kernels do not implement;"
-                " the buffer in the parameter's dtype (no compensation_codec) is supported");
+  for (const TensorDesc& t : descs)
+    TORCH_INTERNAL_ASSERT(t.comp.kind != kQuant, "qconf: a quantized Kahan buffer reached the generic CUDA kernel");
 }
 
 // The factor pass's work of factored tensor i: row sums (kFactorRowsPerBlock rows per block),
