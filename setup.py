@@ -55,9 +55,15 @@ def _extensions():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         # --fmad=false: no contraction on the GPU either (bit-identical to the CPU kernels and the
         # reference), and none in the host code of the .cu files (the shared Scalars setup);
-        # sm_80 and sm_90 binaries (torch adds no arch flags when -gencode is given)
+        # sm_80 and sm_90 binaries (torch adds no arch flags when -gencode is given); QCONF_CUDA_ARCHS="90"
+        # builds one (a GPU session's quick build). ninja compiles the .cu files in parallel: step.cu
+        # (the generic kernel) takes the longest, spec_aot.cu and cuda_step.cu run beside it
+        archs = os.environ.get("QCONF_CUDA_ARCHS", "80 90").replace(";", " ").split()
+        if not archs or not all(a.isdigit() for a in archs):
+            raise SystemExit(f"QCONF_CUDA_ARCHS={os.environ['QCONF_CUDA_ARCHS']!r}: give compute capabilities "
+                             "like '80 90'")
         nvcc = ["-O3", "-std=c++17", "--fmad=false", "-DQCONF_WITH_CUDA", "-Xcompiler", "-ffp-contract=off",
-                "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+                *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
         ext = CUDAExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"],
                             extra_compile_args={"cxx": cxx + ["-DQCONF_WITH_CUDA"], "nvcc": nvcc})
     else:

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,7 +39,7 @@ import torch
 from .sass import LoopCount, count_main_loop, parse_ptxas, parse_sass
 
 __all__ = ["H100", "Tools", "find_tools", "config_specs", "KernelReport", "analyze_spec", "report", "format_table",
-           "target_failures", "barriers_allowed", "main"]
+           "target_failures", "barriers_allowed", "compile_summary", "main"]
 
 PARAMS = 64 * 4096 * 2048  # the GPU benchmark's parameters (537M)
 SHAPES = {"2-D 4096x2048": (4096, 2048), "1-D 8192": (8192,), "small 1024": (1024,)}
@@ -127,11 +128,14 @@ class KernelReport:
     stack: int
     spills: int
     loop: LoopCount
+    compile_s: float  # NVRTC's time for the whole spec (its kernels together); 0.0 on a cache hit
 
 
 def analyze_spec(spec: str, tools: Tools, arch: int = 90, cache_dir: str = "") -> list[KernelReport]:
     """Compile `spec` for sm_<arch> as the CUDA step does, and read its kernels' cost."""
-    cubin, log, _, _ = torch.ops.qconf.cuda_compile(spec, arch, cache_dir, tools.nvrtc, ["--ptxas-options=-v"])
+    start = time.perf_counter()
+    cubin, log, hit, _ = torch.ops.qconf.cuda_compile(spec, arch, cache_dir, tools.nvrtc, ["--ptxas-options=-v"])
+    seconds = 0.0 if hit else time.perf_counter() - start
     ptxas = parse_ptxas(log)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "spec.cubin"
@@ -143,7 +147,7 @@ def analyze_spec(spec: str, tools: Tools, arch: int = 90, cache_dir: str = "") -
     for k in kernels:
         r = ptxas[k]
         out.append(KernelReport(k.replace("qconf_spec_", ""), r["registers"], r["stack"],
-                                r["spill_stores"] + r["spill_loads"], count_main_loop(functions[k])))
+                                r["spill_stores"] + r["spill_loads"], count_main_loop(functions[k]), seconds))
     return out
 
 
@@ -198,6 +202,16 @@ def target_failures(rows: list[dict[str, Any]]) -> list[str]:
     return sorted(set(out))
 
 
+def compile_summary(rows: list[dict[str, Any]]) -> str:
+    """One line: how long NVRTC took per spec (what a spec's first use costs, on this CPU)."""
+    seconds = sorted({r["spec"]: r["kernels"][0].compile_s for r in rows if r["kernels"]}.values())
+    compiled = [t for t in seconds if t > 0]
+    if not compiled:
+        return f"first-use compile: every one of {len(seconds)} specs came from the cache ($QCONF_CACHE_DIR)"
+    return (f"first-use compile (NVRTC, this CPU, one thread): median {compiled[len(compiled) // 2]:.2f} s, "
+            f"max {compiled[-1]:.2f} s per spec ({len(compiled)} specs compiled)")
+
+
 def format_table(rows: list[dict[str, Any]], arch: int) -> str:
     """The report as a text table (a line per kernel of a row)."""
     head = (f"Specialized CUDA kernels, compiled for sm_{arch} with NVRTC as at first use; SASS per element of the "
@@ -244,11 +258,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python benchmarks/cuda_
 def run_cli(opts: argparse.Namespace, prog: str, configs: Sequence[Path]) -> int:
     """Report, print, --json; the exit code (2: tools missing, 1: a target missed)."""
     try:
+        # no cache unless $QCONF_CACHE_DIR names one: every spec is compiled as at its first use
         rows = report(configs, opts.arch, cache_dir=os.environ.get("QCONF_CACHE_DIR", ""))
     except (FileNotFoundError, RuntimeError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     print(format_table(rows, opts.arch))
+    print("\n" + compile_summary(rows))
     failures = target_failures(rows)
     print("\ntargets (group-scaled specs: <= 64 registers, no stack or spills, <= 100 hot SASS per element, no "
           "local/atomic in the main loop, no barrier but one where a group spans warps): "
