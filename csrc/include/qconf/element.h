@@ -184,21 +184,42 @@ QCONF_HD StreamKey stream_key(uint64_t seed, uint64_t step, uint64_t tensor, uin
   return StreamKey{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32), 0};
 }
 
-// "lowbias32" integer hash (T = uint32_t or a vector of uint32 lanes).
+// "lowbias32" integer hash (U = uint32_t or a vector of uint32 lanes): mix32_tail(x ^ (x >> 16)).
 template <class U>
-QCONF_HD U mix32(U x) {
-  x = x ^ (x >> 16);
+QCONF_HD U mix32_tail(U x) {  // its last four steps
   x = x * U(0x7feb352du);
   x = x ^ (x >> 15);
   x = x * U(0x846ca68bu);
   return x ^ (x >> 16);
 }
 
+template <class U>
+QCONF_HD U mix32(U x) {
+  return mix32_tail<U>(x ^ (x >> 16));
+}
+
+// The stream's hash mix32(mix32(a) ^ b) of element bits a (low word ^ k0) and b (high word + k1),
+// with b given as fold_high(b) = b ^ (b >> 16), the same for every element of a run. The inner
+// hash ends r ^ (r >> 16) and the outer starts z ^ (z >> 16); for z = r ^ (r >> 16) ^ b,
+// z >> 16 = (r >> 16) ^ (b >> 16), so z ^ (z >> 16) = r ^ fold_high(b): four operations fewer.
+template <class U>
+QCONF_HD U fold_high(U b) {
+  return b ^ (b >> 16);
+}
+
+template <class U>
+QCONF_HD U hash_pair(U a, U b_folded) {
+  U r = a ^ (a >> 16);
+  r = r * U(0x7feb352du);
+  r = r ^ (r >> 15);
+  r = r * U(0x846ca68bu);
+  return mix32_tail<U>(r ^ b_folded);
+}
+
 // 32 random bits for element i of a tensor: element i + k.offset of its stream.
 QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) {
   i += k.offset;
-  const uint32_t h = mix32<uint32_t>(static_cast<uint32_t>(i) ^ k.k0);
-  return mix32<uint32_t>(h ^ (static_cast<uint32_t>(i >> 32) + k.k1));
+  return hash_pair<uint32_t>(static_cast<uint32_t>(i) ^ k.k0, fold_high<uint32_t>(static_cast<uint32_t>(i >> 32) + k.k1));
 }
 
 // Uniform in [0, 1) with 24-bit resolution (exact in fp32).

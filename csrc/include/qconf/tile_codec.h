@@ -313,8 +313,7 @@ inline I hash_vec(StreamKey k, uint64_t first) {
       return Isa::load_i(tmp);
     }
     const I idx = Isa::iota() + I(lo);
-    const I h = mix32<I>(idx ^ I(k.k0));
-    return mix32<I>(h ^ I(static_cast<uint32_t>(e >> 32) + k.k1));
+    return hash_pair<I>(idx ^ I(k.k0), I(fold_high<uint32_t>(static_cast<uint32_t>(e >> 32) + k.k1)));
   }
 }
 
