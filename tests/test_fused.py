@@ -68,6 +68,12 @@ def _run(make, shapes, dtype, steps, fused, noncontig=False, isa=None, threads=N
     return params, opt
 
 
+def _fused_on_each_isa(make, shapes, dtype, steps, monkeypatch, noncontig=False):
+    """The fused run once per instruction set this machine has (scalar, avx2, ... up to the best):
+    each one must give the reference's bits."""
+    return [_run(make, shapes, dtype, steps, True, noncontig, isa=isa, monkeypatch=monkeypatch) for isa in _isas()]
+
+
 def _assert_same(ref, fused, exact_params=True):
     (p_ref, o_ref), (p_fus, o_fus) = ref, fused
     for a, b in zip(p_ref, p_fus):
@@ -105,10 +111,12 @@ RULES = {
 
 @pytest.mark.parametrize("config", ALL_CONFIGS)
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_every_shipped_config_and_rule_matches_reference(config, rule):
+def test_every_shipped_config_and_rule_matches_reference(config, rule, monkeypatch):
     cfg = {"base": str(CONFIGS / config), "min_numel": 0}  # quantize every shape, even the tiny ones
     make = RULES[rule](cfg)
-    _assert_same(_run(make, SHAPES, torch.float32, 20, False), _run(make, SHAPES, torch.float32, 20, True))
+    ref = _run(make, SHAPES, torch.float32, 20, False)
+    for fus in _fused_on_each_isa(make, SHAPES, torch.float32, 20, monkeypatch):
+        _assert_same(ref, fus)
 
 
 @pytest.mark.parametrize("config", ["default.yml", "8bit.yml", "2nd_moment_group_128.yml"])
@@ -124,21 +132,21 @@ SWEEP = list(itertools.product(SCALE_TYPES, [m for m in MAP_NAMES if m != "terna
 
 
 @pytest.mark.parametrize("scale,map,bits,rounding", SWEEP)
-def test_codec_sweep_matches_reference(scale, map, bits, rounding):
+def test_codec_sweep_matches_reference(scale, map, bits, rounding, monkeypatch):
     state = {"bits": bits, "map": map, "scale": scale, "group_size": 32, "rounding": rounding}
     cfg = {"min_numel": 0, "states": {"exp_avg": {**state, "signed": True},
                                       "exp_avg_sq": {**state, "signed": False}}}
     make = RULES["adamw"](cfg)
     for dtype, noncontig in ((torch.float32, True), (torch.bfloat16, False), (torch.float16, True)):
         ref = _run(make, SHAPES, dtype, 6, False, noncontig)
-        fus = _run(make, SHAPES, dtype, 6, True, noncontig)
-        _assert_same(ref, fus)
+        for fus in _fused_on_each_isa(make, SHAPES, dtype, 6, monkeypatch, noncontig):
+            _assert_same(ref, fus)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("scale", ["rank1", "group", "dim1"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_non_finite_gradients_give_the_same_states(scale, bits, rounding):
+def test_non_finite_gradients_give_the_same_states(scale, bits, rounding, monkeypatch):
     # NaN / inf gradients: the scales leave the non-finite values out and the values saturate,
     # the same way in the kernel as in the reference (tests/test_non_finite.py: only the bad
     # elements themselves are damaged). At the first step row 2 of the first parameter is 0 but
@@ -147,9 +155,11 @@ def test_non_finite_gradients_give_the_same_states(scale, bits, rounding):
     cfg = {"min_numel": 0, "states": {"exp_avg": state, "exp_avg_sq": {**state, "map": "power-1"}}}
     shapes = [(48, 64), (3, 4, 32)]
     runs = []
-    for fused in (False, True):
+    for fused, isa in [(False, None)] + [(True, isa) for isa in _isas()]:
         params = _params(shapes, torch.float32)
         opt = AdamW(params, lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=fused, seed=3)
+        if isa is not None:
+            monkeypatch.setenv("QCONF_CPU_ISA", isa)
         for step in range(4):
             for p, g in zip(params, _grads(shapes, step, torch.float32, False)):
                 if step in (1, 2):
@@ -160,14 +170,15 @@ def test_non_finite_gradients_give_the_same_states(scale, bits, rounding):
                 p.grad = g
             opt.step()
         runs.append((params, opt))
-    (p_ref, o_ref), (p_fus, o_fus) = runs
-    for a, b in zip(p_ref, p_fus):
-        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
-        for k, x in o_ref.state[a].items():
-            y = o_fus.state[b][k]
-            if isinstance(x, QTensor):
-                assert torch.equal(x.codes, y.codes), k
-                assert torch.equal(y.scales, x.scales), k
+    (p_ref, o_ref) = runs[0]
+    for p_fus, o_fus in runs[1:]:
+        for a, b in zip(p_ref, p_fus):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+            for k, x in o_ref.state[a].items():
+                y = o_fus.state[b][k]
+                if isinstance(x, QTensor):
+                    assert torch.equal(x.codes, y.codes), k
+                    assert torch.equal(y.scales, x.scales), k
     assert all(torch.isfinite(o_fus.state[p][k].scales).all() for p in p_fus for k in ("exp_avg", "exp_avg_sq"))
     assert any(torch.isnan(p).any() for p in p_fus)  # the NaN gradient element's parameter, as in torch
 
@@ -247,11 +258,13 @@ def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, i
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 5, 6, 7])
-def test_other_widths_are_fused_and_match(bits):
+def test_other_widths_are_fused_and_match(bits, monkeypatch):
     cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": bits, "map": "linear" if bits > 1 else "power-1"},
                                       "exp_avg_sq": {"bits": bits, "map": "power-1", "scale": "rank1"}}}
     make = RULES["adamw"](cfg)
-    _assert_same(_run(make, SHAPES, torch.float32, 8, False), _run(make, SHAPES, torch.float32, 8, True))
+    ref = _run(make, SHAPES, torch.float32, 8, False)
+    for fus in _fused_on_each_isa(make, SHAPES, torch.float32, 8, monkeypatch):
+        _assert_same(ref, fus)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
@@ -329,16 +342,16 @@ WEIGHTS = {
 @pytest.mark.parametrize("weights", sorted(WEIGHTS))
 @pytest.mark.parametrize("rule", ["adamw", "sgd", "lion"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_weights_match_reference_bit_for_bit(weights, rule, dtype):
+def test_low_precision_weights_match_reference_bit_for_bit(weights, rule, dtype, monkeypatch):
     """Stochastic rounding and Kahan compensation of bf16/fp16 weights: the fused kernel writes the
     same parameter bits and compensation buffer as the reference path (same seed)."""
     cfg = {"base": str(CONFIGS / "default.yml"), "min_numel": 100, "weights": WEIGHTS[weights]}
     make = RULES[rule](cfg)
     shapes = SHAPES + [(70, 300)]  # 21000 elements: several tiles
     ref = _run(make, shapes, dtype, 6, False)
-    fus = _run(make, shapes, dtype, 6, True)
-    _assert_same(ref, fus)
-    assert "kahan_comp" in fus[1].state[fus[0][0]] or "kahan" not in weights
+    for fus in _fused_on_each_isa(make, shapes, dtype, 6, monkeypatch):
+        _assert_same(ref, fus)
+        assert "kahan_comp" in fus[1].state[fus[0][0]] or "kahan" not in weights
 
 
 @pytest.mark.parametrize("isa", _isas())

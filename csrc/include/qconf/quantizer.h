@@ -43,14 +43,33 @@ inline Isa::M cmp_le_lt(F a, F b) {
 // 16-entry register tables shifted by the binary-search step: probe(c, s) = table[c + s - 1]
 // becomes a plain permute of table_s at c (no index add). `shifted` holds table shifted by 3 then
 // by 1 (CodecDesc::shifted16_*, built once with the codec tables, not per tile).
+// Isa::kSplit16 (AVX2, where a 16-entry lookup is two permutes and a blend): the second probe is
+// table[3] or table[11] by the first outcome (a blend of two broadcasts), and with k = c / 2 the
+// third and fourth are 8-entry permutes, table[2k + 1] and table[2k]; the count is then 2k + the
+// last outcome. The same probes in the same order, so the same counts.
 struct Probe16 {
   Isa::T16 t4, t2, t1;
   float first;  // table[7]: the first probe is the same for every lane
+  F second_lo, second_hi;  // kSplit16: table[3], table[11]
+  Isa::T8 odd, even;       // kSplit16: table[2k + 1], table[2k]
   Probe16(const float* table, const float* shifted)
-      : t4(Isa::table16(shifted)), t2(Isa::table16(shifted + 16)), t1(Isa::table16(table)), first(table[7]) {}
+      : t4(Isa::table16(shifted)), t2(Isa::table16(shifted + 16)), t1(Isa::table16(table)), first(table[7]),
+        second_lo(table[3]), second_hi(table[11]), odd(strided8(table + 1)), even(strided8(table)) {}
+  static Isa::T8 strided8(const float* t) {  // t[0], t[2], .., t[14]
+    alignas(64) float v[8];
+    for (int k = 0; k < 8; ++k) v[k] = t[2 * k];
+    return Isa::table8(v);
+  }
   // #{k < 16 : table[k] < x} (Le=false) or <= x (Le=true) for sorted, +inf padded tables
   template <bool Le>
   I count(F x) const {
+    if constexpr (Isa::kSplit16) {
+      const auto m8 = cmp_le_lt<Le>(F(first), x);
+      I k = Isa::select_i(m8, I(4u), I(0u));
+      k = Isa::add_if(cmp_le_lt<Le>(Isa::select(m8, second_hi, second_lo), x), k, I(2u));
+      k = Isa::add_if(cmp_le_lt<Le>(Isa::lookup8(odd, k), x), k, I(1u));
+      return Isa::add_if(cmp_le_lt<Le>(Isa::lookup8(even, k), x), k + k, I(1u));
+    }
     I c = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(8u), I(0u));
     c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t4, c), x), c, I(4u));
     c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t2, c), x), c, I(2u));
@@ -117,14 +136,25 @@ struct Search256 {
 // (mirrored, K - j, for negative n of signed maps) lands within one code below the answer, so
 // r = clamp(rint(j)) and one probe of the midpoints, r + (mid[r] < n), replace the 8-compare
 // search: ~2/3 of the operations and a much shorter dependency chain.
+// Stands in for Search256 where the ISA searches 256-entry tables with gathers (count256): no
+// tables to load; count is never called there.
+struct NoSearch256 {
+  NoSearch256(const float*, const float*, const float*) {}
+  template <bool Le>
+  I count(F) const {
+    return I(0u);
+  }
+};
+
 template <int BITS, bool SR, int NEAR = kNearSearch>
 struct FastQuantizer {
+  using Search = std::conditional_t<Isa::kPermute256, Search256, NoSearch256>;
   const StateDesc& st;
   Probe16 near, sr;
   F q0, qL;
   I lo_max;
   Isa::T16 qmap16;
-  Search256 near256, sr256;
+  Search near256, sr256;
   Isa::T256 qmap256;
   explicit FastQuantizer(const StateDesc& s)
       : st(s),
@@ -158,7 +188,7 @@ struct FastQuantizer {
 
   // kNearLines*: the line estimate r; the code is r or r + 1
   I line_index(F n) const {
-    static_assert(BITS == 8 && Isa::kPermute256, "octave lines index 32-entry register tables");
+    static_assert(BITS == 8 && Isa::kTable32, "octave lines index 32-entry register tables");
     // a = max(n, 2^-31) (NaN, negatives -> 2^-31) or |n|, capped below 2 (NaN stays); its
     // biased exponent, at least 96, is the octave (the permutes read it mod 32)
     F a;
@@ -231,8 +261,8 @@ struct FastQuantizer {
     }
   }
 
-  static void store(uint8_t* codes, I code, int64_t e) {
-    if constexpr (BITS == 4) Isa::pack4(codes + e / 2, code);
+  static void store(uint8_t* codes, I code, int64_t e) {  // (e >= 0: an unsigned halving is one shift)
+    if constexpr (BITS == 4) Isa::pack4(codes + static_cast<uint64_t>(e) / 2, code);
     else Isa::pack8(codes + e, code);
   }
 
@@ -341,10 +371,11 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
 }
 
 // 8-bit nearest rounding by octave lines when the codec has them (form 1 or 2) and the ISA
-// holds 32-entry tables in registers; false: the caller searches
+// holds 32-entry tables in registers (AVX2 probes the midpoints with a gather, AVX-512 with
+// byte-plane permutes); false: the caller searches
 inline bool quantize_lines(int form, const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n,
                            const float* x, float* rbuf, NextLines& next) {
-  if constexpr (Isa::kPermute256) {
+  if constexpr (Isa::kTable32) {
     if (form == 1) quantize_fast<8, false, kNearLinesUnsigned>(st, t, start, n, x, rbuf, next);
     if (form == 2) quantize_fast<8, false, kNearLinesSigned>(st, t, start, n, x, rbuf, next);
     return form == 1 || form == 2;

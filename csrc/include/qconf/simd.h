@@ -85,9 +85,16 @@ struct Isa {
   using T16 = __m512;
   static T16 table16(const float* t) { return _mm512_loadu_ps(t); }
   static F lookup16(T16 t, I idx) { return _mm512_permutexvar_ps(idx.v, t); }
+  // 8-entry tables (indices 0..7); kSplit16: whether a 16-entry count is cheaper as one
+  // broadcast blend and two 8-entry permutes (quantizer.h Probe16) than as 16-entry permutes
+  static constexpr bool kSplit16 = false;
+  using T8 = __m512;
+  static T8 table8(const float* t) { return _mm512_castps256_ps512(_mm256_loadu_ps(t)); }
+  static F lookup8(T8 t, I idx) { return _mm512_permutexvar_ps(idx.v, t); }
   static F gather(const float* base, I idx) { return _mm512_i32gather_ps(idx.v, base, 4); }
   // 32- and 256-entry tables in registers (vpermt2ps): gathers cost ~19 cycles on Zen 4
   static constexpr bool kPermute256 = true;
+  static constexpr bool kTable32 = true;  // lookup32 is register permutes (octave lines)
   struct T32 {
     __m512 lo, hi;
   };
@@ -334,6 +341,10 @@ struct Isa {
     __m256 lo, hi;
   };
   static T16 table16(const float* t) { return T16{_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; }
+  static constexpr bool kSplit16 = true;  // (a lookup16 is two permutes and a blend)
+  using T8 = __m256;
+  static T8 table8(const float* t) { return _mm256_loadu_ps(t); }
+  static F lookup8(T8 t, I idx) { return _mm256_permutevar8x32_ps(t, idx.v); }
   static F lookup16(T16 t, I idx) {  // bit 3 of the index picks the half
     const __m256 lo = _mm256_permutevar8x32_ps(t.lo, idx.v);
     const __m256 hi = _mm256_permutevar8x32_ps(t.hi, idx.v);
@@ -341,13 +352,25 @@ struct Isa {
   }
   static F gather(const float* base, I idx) { return _mm256_i32gather_ps(base, idx.v, 4); }
   static constexpr bool kPermute256 = false;
-  using T32 = const float*;
-  static T32 table32(const float* t) { return t; }
-  static F lookup32(T32 t, I idx) { return gather(t, idx); }
+  static constexpr bool kTable32 = true;
+  // 32-entry tables in four registers: index bits 0..2 by vpermps, bits 3 and 4 by blends
+  struct T32 {
+    __m256 r[4];
+  };
+  static T32 table32(const float* t) {
+    return T32{{_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8), _mm256_loadu_ps(t + 16), _mm256_loadu_ps(t + 24)}};
+  }
+  static F lookup32(const T32& t, I idx) {  // idx & 31
+    const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx.v, 28));
+    const __m256 b4 = _mm256_castsi256_ps(_mm256_slli_epi32(idx.v, 27));
+    __m256 r[4];
+    for (int q = 0; q < 4; ++q) r[q] = _mm256_permutevar8x32_ps(t.r[q], idx.v);
+    return _mm256_blendv_ps(_mm256_blendv_ps(r[0], r[1], b3), _mm256_blendv_ps(r[2], r[3], b3), b4);
+  }
   using T256 = const float*;
   static T256 table256(const float* t) { return t; }
   static F lookup256(T256 t, I idx) { return gather(t, idx); }
-  static constexpr int kGroup = 1;  // (kFastPack is false: the 8-bit register paths never run)
+  static constexpr int kGroup = 1;  // 256-entry lookups: one gather per vector
   using T256P = const float*;
   static T256P table256p(const float* values, const uint8_t*, const uint8_t*) { return values; }
   static void lookup256n(T256P t, const I* idx, F* out) { out[0] = gather(t, idx[0]); }
@@ -364,12 +387,35 @@ struct Isa {
   static void store_f16(uint16_t* p, F x) {
     _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  static constexpr bool kFastPack = false;
-  static I unpack4(const uint8_t*) { return I(0u); }
-  static void pack4(uint8_t*, I) {}
-  static I unpack8(const uint8_t*) { return I(0u); }
-  static void pack8(uint8_t*, I) {}
-  static F lookup16_packed4(T16, const uint8_t*) { return F(0.0f); }  // kFastPack is false
+  // codes: 8 codes <-> packed bytes at 4 and 8 bits (element 2k in the low nibble of byte k)
+  static constexpr bool kFastPack = true;
+  // the 4 bytes of 8 4-bit codes, lane k shifted right by 4k: code k in bits 0..3, higher codes above
+  static __m256i spread4(const uint8_t* p) {
+    int32_t q;
+    __builtin_memcpy(&q, p, 4);
+    return _mm256_srlv_epi32(_mm256_set1_epi32(q), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  }
+  static I unpack4(const uint8_t* p) { return _mm256_and_si256(spread4(p), _mm256_set1_epi32(0xF)); }
+  static void pack4(uint8_t* p, I c) {  // 8 codes -> 4 bytes
+    // byte 0 of each 64-bit lane: c(2m) | c(2m+1) << 4; bytes 0, 8 of each 128-bit half to bytes
+    // 0, 1 (low half) and 2, 3 (high half), the rest zero, then the halves or-ed
+    const __m256i w = _mm256_or_si256(c.v, _mm256_srli_epi64(c.v, 28));
+    const __m256i b = _mm256_shuffle_epi8(w, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                -1, -1, -1, -1));
+    const int32_t q = _mm_cvtsi128_si32(_mm_or_si128(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    __builtin_memcpy(p, &q, 4);
+  }
+  static I unpack8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  static void pack8(uint8_t* p, I c) {  // 8 codes (< 256) -> 8 bytes: byte 0 of each lane, halves or-ed
+    const __m256i b = _mm256_shuffle_epi8(c.v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                  -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
+                                                                  -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i*)p, _mm_or_si128(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
+  // table[code] for 8 packed 4-bit codes: lookup16 reads index bits 0..3 only (vpermps bits
+  // 0..2, the blend bit 3), so the spread word needs no mask
+  static F lookup16_packed4(T16 t, const uint8_t* p) { return lookup16(t, spread4(p)); }
 };
 
 #else  // portable scalar
@@ -419,8 +465,13 @@ struct Isa {
   using T16 = const float*;
   static T16 table16(const float* t) { return t; }
   static F lookup16(T16 t, I idx) { return t[idx]; }
+  static constexpr bool kSplit16 = false;
+  using T8 = const float*;
+  static T8 table8(const float* t) { return t; }
+  static F lookup8(T8 t, I idx) { return t[idx]; }
   static F gather(const float* base, I idx) { return base[idx]; }
   static constexpr bool kPermute256 = false;
+  static constexpr bool kTable32 = false;
   using T32 = const float*;
   static T32 table32(const float* t) { return t; }
   static F lookup32(T32 t, I idx) { return t[idx]; }

@@ -107,19 +107,14 @@ struct StateIn {
   const uint8_t* codes = nullptr; // kIOQ4/kIOQ8: packed codes of the tile
   const float* scale = nullptr;   // old scales of the tile: per element, or per vector (kIOQ*B)
   const float* qmap = nullptr;
-  Isa::T256 q256{};               // kIOQ8: the map as a table (filled only then), or on
-  const float* decoded = nullptr; // kPermute256 ISAs qmap[code] of the whole tile (decode8)
+  const float* decoded = nullptr; // kIOQ8: qmap[code] of the whole tile (decode8)
 };
 
 // Fills s for the 8-bit codes of state st in a tile: decoded into `scratch` ahead of the loop
-// that reads them (kPermute256 ISAs), or the map as a table for per-vector lookups
+// that reads them
 inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* scratch) {
-  if constexpr (Isa::kPermute256) {
-    decode8(st.codec, s.codes, n, scratch);
-    s.decoded = scratch;
-  } else {
-    s.q256 = Isa::table256(st.codec.qmap);
-  }
+  decode8(st.codec, s.codes, n, scratch);
+  s.decoded = scratch;
 }
 
 template <int IO>
@@ -132,8 +127,7 @@ inline F old_scale(const StateIn& s, int64_t i) {
 template <int IO>
 inline F code_value(const StateIn& s, int64_t i) {
   if constexpr (io_q4(IO)) return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + i / 2);
-  else if constexpr (Isa::kPermute256) return Isa::load(s.decoded + i);
-  else return Isa::lookup256(s.q256, Isa::unpack8(s.codes + i));
+  else return Isa::load(s.decoded + i);
 }
 
 template <int IO>

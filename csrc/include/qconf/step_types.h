@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>  // (std::conditional_t in the per-ISA step template)
 
 #include "qconf/element.h"
 #include "qconf/layout.h"

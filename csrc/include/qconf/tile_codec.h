@@ -219,7 +219,8 @@ inline void dequantize(const StateDesc& st, const TensorDesc& t, int64_t start, 
 
 
 // qmap[code] of n 8-bit codes (n a multiple of W) into out: Isa::kGroup vectors per lookup in
-// the map's planes, a fraction of the permutes of one vector at a time in the main loop
+// the map's planes, a fraction of the permutes of one vector at a time in the main loop (AVX2:
+// a gather per vector)
 inline void decode8(const CodecDesc& c, const uint8_t* codes, int64_t n, float* out) {
   constexpr int G = Isa::kGroup;
   const Isa::T256P t = Isa::table256p(c.qmap, c.qmap_words, c.qmap_bytes);
