@@ -7,7 +7,8 @@ Each optimizer's hyperparameters are checked by one function (:func:`adam_group`
 checkpoint can hold only hyperparameters the constructor accepts. On top of torch.optim's range
 checks they require real numbers (a one-element tensor where torch allows a tensor: ``lr``,
 ``betas``), finite values (a NaN or infinite lr, eps, weight decay, momentum or dampening only
-ever produces NaN/inf parameters) and real booleans for flags.
+ever produces NaN/inf parameters) and real booleans for flags. :func:`check_seed` is the one
+rule for RNG seeds, of the constructor and of a checkpoint alike.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import numbers
 from typing import Any, Mapping
 
 import torch
+
+from ..codec import rng
 
 
 def scalar(x: Any) -> float:
@@ -51,6 +54,18 @@ def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_seed(what: str, seed: Any, none_ok: bool = False) -> int | None:
+    """An RNG seed checked: a Python int (not a bool) in [0, 2**64), or None where ``none_ok``;
+    returned unchanged. The constructor's ``seed`` and a checkpoint's ``qconf.seed`` both follow
+    this rule; ``what`` names the value in the ``ValueError``."""
+    if none_ok and seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= rng.MASK64:
+        allowed = "None (torch.initial_seed()) or an int" if none_ok else "an int"
+        raise ValueError(f"{what} must be {allowed} in [0, 2**64), got {seed!r}")
+    return seed
 
 
 def check_lr(lr: Any) -> None:

@@ -21,10 +21,10 @@ from torch.optim import Optimizer
 
 from .. import _native
 from ..codec import Codec, QTensor
-from ..codec import rng
 from ..config import QConfig, StatePlan, load_config, resolve_plan
 from . import checkpoint
 from . import weights as wts
+from ._validate import check_seed
 from .fused import CompiledFusedSteps, FusedParam, FusedStepper, unfusable_reason
 from .params import NamedParams, compute_dtype, real_view
 from .reference import ReferenceSteps
@@ -81,7 +81,8 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         self._bf16_sr = bf16_stochastic_round
         self._compensation = compensation
         self.qconfig: QConfig = load_config(qconfig if qconfig is not None else {})
-        self._seed = int(torch.initial_seed() if seed is None else seed) & rng.MASK64
+        seed = check_seed("seed", seed, none_ok=True)
+        self._seed: int = torch.initial_seed() if seed is None else seed
         self._enable_overrides: dict[int, bool] = {}
         self._plans: dict[int, StatePlan] = {}
         self._index_cache: tuple[int, dict[int, int], list[tuple[str, torch.Tensor, dict[str, Any]]]] | None = None

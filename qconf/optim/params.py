@@ -1,13 +1,18 @@
 """How a qconf optimizer sees its parameters: names and global indexes (the qconfig's
 ``overrides`` match names; the index keys ``state_dict`` and the random streams), the refusal of
-duplicates, and the real view and compute dtype that float64 and complex parameters step in."""
+duplicates and of dtypes no rule can update, and the real view and compute dtype that float64 and
+complex parameters step in."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-__all__ = ["NamedParams", "real_view", "compute_dtype"]
+__all__ = ["NamedParams", "PARAM_DTYPES", "real_view", "compute_dtype"]
+
+#: the parameter dtypes the optimizers update: torch.optim's floating-point and complex ones that
+#: the rules step (float8 and complex32 would round every update away or cannot be stepped)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64, torch.complex128)
 
 
 class NamedParams:
@@ -20,7 +25,9 @@ class NamedParams:
     param_groups: list[dict[str, Any]]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group``, also accepting ``(name, tensor)`` pairs on every torch >= 2.4."""
+        """torch's ``add_param_group``, also accepting ``(name, tensor)`` pairs on every torch >= 2.4;
+        a group with a parameter listed twice or of a dtype outside :data:`PARAM_DTYPES` is refused
+        (``ValueError``) before anything changes. The constructor adds its groups through it."""
         params = param_group.get("params")
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -34,6 +41,8 @@ class NamedParams:
             param_group["params"] = [t for _, t in params]
         elif params is not None and not isinstance(params, set):
             param_group = dict(param_group, params=params)
+        if isinstance(param_group.get("params"), list):
+            self._refuse_dtypes(param_group)
         super().add_param_group(param_group)
         self._index_cache = None
         self._layout_version = getattr(self, "_layout_version", 0) + 1
@@ -64,8 +73,26 @@ class NamedParams:
         return self._named_params()[index][0]
 
     def _describe(self, index: int) -> str:
-        name = self.param_name(index)
-        return f"parameter {index} ({name!r})" if name else f"parameter {index}"
+        return _describe(index, self.param_name(index))
+
+    def _refuse_dtypes(self, param_group: dict[str, Any]) -> None:
+        """Refuse (``ValueError``) a parameter of ``param_group`` whose dtype is not in
+        :data:`PARAM_DTYPES`: torch.optim accepts integer and bool parameters, then fails at
+        ``step`` or truncates every update to nothing."""
+        groups = getattr(self, "param_groups", ())
+        first = sum(len(g["params"]) for g in groups)
+        names = list(param_group.get("param_names") or ())
+        for i, p in enumerate(param_group["params"]):
+            if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:
+                where = _describe(first + i, names[i] if i < len(names) else "")
+                allowed = ", ".join(str(d) for d in PARAM_DTYPES[:-1]) + f" or {PARAM_DTYPES[-1]}"
+                raise ValueError(f"{type(self).__name__}: {where} of param group {len(groups)} has dtype {p.dtype}, "
+                                 f"which cannot be optimized; parameters must be {allowed}")
+
+
+def _describe(index: int, name: str) -> str:
+    """How messages name parameter ``index`` (``name``: '' when the optimizer got plain tensors)."""
+    return f"parameter {index} ({name!r})" if name else f"parameter {index}"
 
 
 def _refuse_duplicates(params: list[Any], group_index: int) -> None:
