@@ -108,7 +108,8 @@ def full_states(opt: qo.AdamW, model: torch.nn.Module) -> dict[str, dict[str, ob
     scales, codec) from the full state dict, dense states as full tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from qconf.codec import packing
+    from qconf.codec import Codec
+    from qconf.optim.records import flat_codes
 
     sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     out = {}
@@ -116,9 +117,7 @@ def full_states(opt: qo.AdamW, model: torch.nn.Module) -> dict[str, dict[str, ob
         rec = {}
         for key, v in entry.items():
             if isinstance(v, dict):
-                codes = v["codes"]
-                packed = packing.pack(codes.reshape(-1).to(torch.int64), v["codec"]["bits"]) if v.get("packed") is False \
-                    else codes
+                packed = flat_codes(v, Codec.from_dict(v["codec"]), v["shape"])
                 rec[key] = ("q", packed, v["scales"], v["codec"])
             else:
                 rec[key] = ("t", v)

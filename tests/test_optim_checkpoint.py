@@ -72,7 +72,8 @@ def test_state_dict_is_plain_data_with_versioned_qconfig():
     assert section["seed"] == opt._seed and section["enable_overrides"] == []
     assert "qconf" not in sd
     q = sd["state"][0]["exp_avg"]
-    assert set(q) == {"codes", "scales", "shape", "codec"} and q["codes"].dtype == torch.uint8
+    assert set(q) == {"codes", "scales", "shape", "codec", "packed"} and q["codes"].dtype == torch.uint8
+    assert q["packed"] == "rows" and q["codes"].shape == (q["shape"][0], -(-q["shape"][1] * 4 // 8))
 
 
 def test_load_torch_adamw_state_dict_quantizes_on_load():
@@ -196,7 +197,8 @@ def _corrupt(fn):
     (_corrupt(lambda sd: sd["state"][2].pop("exp_avg")), "parameter 2 ('2.weight'): missing key 'exp_avg'"),
     (_corrupt(lambda sd: sd["state"][2].pop("step")), "parameter 2 ('2.weight'): missing key 'step'"),
     (_corrupt(lambda sd: sd["state"][0]["exp_avg"].__setitem__("codes", torch.zeros(5, dtype=torch.uint8))),
-     "parameter 0 ('0.weight'): quantized state 'exp_avg' is invalid: QTensor codes must be"),
+     "parameter 0 ('0.weight'): quantized state 'exp_avg' is invalid: row-packed codes must be uint8 of shape "
+     "(96, 32), got torch.uint8 (5,)"),
     (_corrupt(lambda sd: sd["state"][0]["exp_avg"].pop("scales")), "quantized state 'exp_avg' is missing ['scales']"),
     (_corrupt(lambda sd: sd["state"][0]["exp_avg"]["codec"].__setitem__("bits", 11)),
      "quantized state 'exp_avg' is invalid: Codec: bits must be an integer in 1..8"),
@@ -236,7 +238,7 @@ def _corrupt(fn):
     (_corrupt(lambda sd: sd["state"][0]["exp_avg_sq"]["scales"].__setitem__(0, -1.0)),
      "quantized state 'exp_avg_sq' has NaN, infinite or negative scales"),
     (_corrupt(lambda sd: sd["state"][0]["exp_avg"].__setitem__("codes", sd["state"][0]["exp_avg"]["codes"].long())),
-     "quantized state 'exp_avg' is invalid: QTensor codes must be 1-D uint8"),
+     "quantized state 'exp_avg' is invalid: row-packed codes must be uint8 of shape (96, 32), got torch.int64"),
     (_corrupt(lambda sd: sd["state"][1]["exp_avg"].__setitem__(5, float("nan"))),
      "parameter 1 ('0.bias'): key 'exp_avg' holds NaN or infinite values"),
     (_corrupt(lambda sd: sd["state"][1]["exp_avg_sq"].__setitem__(5, -1e-3)),
@@ -527,3 +529,56 @@ def test_own_checkpoint_loads_after_a_layout_hyperparameter_changes(make, key, v
         for a, b in zip(model.parameters(), model2.parameters()):
             assert torch.equal(a, b)
         assert_same_state(flat_state(opt), flat_state(opt2))
+
+
+def _quantized_opt(shapes, cfg, seed=0):
+    """An AdamW on parameters of ``shapes`` after one step (states from ``seed``'s gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = AdamW(params, lr=1e-2, qconfig=cfg, fused=False, seed=1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("layout", ["flat", "unpacked"])
+def test_checkpoints_in_the_earlier_codes_layouts_still_load(layout):
+    # before the row layout (qconf.optim.records), unsharded runs saved flat packed codes
+    # (QTensor.to_dict) and sharded runs unpacked ones ("packed": False)
+    shapes = [(96, 130), (5000,), (71, 73)]
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": 4}, "exp_avg_sq": {"bits": 3, "scale": "rank1"}}}
+    params, opt = _quantized_opt(shapes, cfg)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        for key, q in opt.state[p].items():
+            if isinstance(q, QTensor):
+                old = q.to_dict()
+                if layout == "unpacked":
+                    from qconf.codec import packing
+                    old = {**old, "codes": packing.unpack(q.codes, q.codec.bits, q.numel()).view(q.shape).to(torch.uint8),
+                           "packed": False}
+                sd["state"][i][key] = old
+    _, fresh = _quantized_opt(shapes, cfg, seed=1)  # other states until the load
+    fresh.load_state_dict(_roundtrip(sd))
+    assert_same_state(flat_state(opt), flat_state(fresh))
+
+
+def test_state_dict_codes_are_packed_row_by_row():
+    # rows of whole bytes (4 bits x 130) are the flat packing viewed as rows (shared, no copy);
+    # 73 codes of 4 bits and a 1-D state (a byte per element) pad each row's last byte
+    from qconf.codec import packing
+    shapes = [(96, 130), (5000,), (71, 73)]
+    params, opt = _quantized_opt(shapes, {"min_numel": 0})
+    sd = opt.state_dict()
+    expect = {0: (96, 65), 1: (5000, 1), 2: (71, 37)}
+    for i, p in enumerate(params):
+        q, rec = opt.state[p]["exp_avg"], sd["state"][i]["exp_avg"]
+        assert rec["packed"] == "rows" and tuple(rec["codes"].shape) == expect[i]
+        rows, inner = expect[i][0], q.numel() // expect[i][0]
+        codes = packing.unpack(q.codes, 4, q.numel()).view(rows, inner)
+        assert torch.equal(packing.unpack_rows(rec["codes"], 4, inner), codes)
+    assert sd["state"][0]["exp_avg"]["codes"].data_ptr() == opt.state[params[0]]["exp_avg"].codes.data_ptr()
+    _, again = _quantized_opt(shapes, {"min_numel": 0}, seed=1)
+    again.load_state_dict(_roundtrip(sd))
+    assert_same_state(flat_state(opt), flat_state(again))

@@ -63,3 +63,34 @@ def unpack(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype = tor
 def _check_bits(bits: int) -> None:
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a 2-D tensor of codes ``[rows, inner]`` row by row: uint8 ``[rows, packed_nbytes(inner,
+    bits)]``, each row in :func:`pack`'s layout starting on a byte of its own (its last byte
+    zero-padded). The rows of the result are the packed rows of the input, so slicing rows of one
+    slices rows of the other (how quantized states reshard along dim 0)."""
+    _check_bits(bits)
+    rows, inner = codes.shape
+    nbytes = packed_nbytes(inner, bits)
+    if rows * inner == 0:
+        return torch.zeros(rows, nbytes, dtype=torch.uint8, device=codes.device)
+    inner8 = -(-inner // 8) * 8  # whole groups of 8 codes: every row then packs to whole bytes
+    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, inner8 - inner))
+    return pack(padded, bits).view(rows, inner8 * bits // 8)[:, :nbytes].contiguous()
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, inner: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: uint8 ``[rows, packed_nbytes(inner, bits)]`` -> codes
+    ``[rows, inner]`` of ``dtype``."""
+    _check_bits(bits)
+    nbytes = packed_nbytes(inner, bits)
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != nbytes:
+        raise ValueError(f"row-packed codes must be 2-D uint8 with {nbytes} bytes per row ({inner} codes of {bits} "
+                         f"bits), got {packed.dtype} of shape {tuple(packed.shape)}")
+    rows = packed.shape[0]
+    if rows * inner == 0:
+        return torch.zeros(rows, inner, dtype=dtype, device=packed.device)
+    inner8 = -(-inner // 8) * 8
+    padded = torch.nn.functional.pad(packed, (0, inner8 * bits // 8 - nbytes))
+    return unpack(padded.reshape(-1), bits, rows * inner8, dtype).view(rows, inner8)[:, :inner]

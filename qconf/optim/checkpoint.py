@@ -47,7 +47,8 @@ from ..codec import Codec, QTensor
 from ..codec import packing
 from ..config import load_config
 from ..errors import QConfigError
-from . import sharded_state
+from . import records, sharded_state
+from ._validate import check_seed
 from .sharded import PendingEncode, is_sharded, shard_geometry
 from .spec import Slot, StateSpec
 from .states import convert_state
@@ -58,7 +59,6 @@ FORMAT_VERSION = 2
 #: the param-group key (format 2) or top-level key (format 1) of qconf's section
 SECTION_KEY = "qconf"
 _MAX_STEP = 2**53
-_SEED_MAX = 2**64 - 1
 _NON_NEGATIVE = (Slot.SECOND, Slot.ROW, Slot.COL)  # second-moment states: v >= 0 (the rule takes sqrt(v))
 _OWN_GROUP_KEYS = ("params", "param_names", SECTION_KEY)  # never taken from a checkpoint's group
 
@@ -119,11 +119,12 @@ def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Mapping[
          qsection: dict[str, Any]) -> dict[str, Any]:
     """An optimizer's state dict as plain data (format 2)::
 
-        {"state": {i: {"step": tensor, "exp_avg": {"codes", "scales", "shape", "codec"} | tensor, ...}},
+        {"state": {i: {"step": tensor, "exp_avg": {"codes", "scales", "shape", "codec", "packed"} | tensor, ...}},
          "param_groups": [{...every group key..., "params": [i, ...], "qconf": qsection}, ...]}
 
     Parameter ids are torch's (a parameter's first position in the groups); every group gets its
-    own copy of ``qsection`` (:func:`section`); quantized states become :meth:`QTensor.to_dict`."""
+    own copy of ``qsection`` (:func:`section`); quantized states become records
+    (:func:`qconf.optim.records.to_record`; a sharded run's are already records)."""
     ids: dict[int, int] = {}
     groups = []
     start = 0
@@ -136,7 +137,7 @@ def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Mapping[
         start += len(g["params"])
         groups.append(packed)
     packed_state = {(ids[id(k)] if isinstance(k, torch.Tensor) else k):
-                    {n: (v.to_dict() if isinstance(v, QTensor) else v) for n, v in s.items()}
+                    {n: (records.to_record(v) if isinstance(v, QTensor) else v) for n, v in s.items()}
                     for k, s in state.items()}
     return {"state": packed_state, "param_groups": groups}
 
@@ -273,8 +274,10 @@ def _parse_section(opt: Target, qsec: Any, check_qconfig: bool) -> tuple[int, in
     if check_qconfig and qsec.get("qconfig") is not None:
         _check_qconfig(qsec["qconfig"])
     seed = qsec.get("seed", opt.seed)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
-        _fail(f"'qconf.seed' must be an int in [0, 2**64), got {seed!r}")
+    try:
+        check_seed("'qconf.seed'", seed)  # the constructor's rule
+    except ValueError as e:
+        _fail(str(e))
     raw = qsec.get("enable_overrides", [] if version >= 2 else {})
     if version >= 2:  # [[index, enable], ...]
         ok = isinstance(raw, (list, tuple)) and all(isinstance(x, (list, tuple)) and len(x) == 2 for x in raw)
@@ -415,7 +418,7 @@ def _as_tensor_state(where: str, key: str, value: Any, spec: StateSpec, dtype: t
 
 def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec, p: torch.Tensor) -> QTensor:
     """A quantized state record as a QTensor on ``p``'s device, checked to decode to finite values
-    (of a sharded ``p``: its shard's QTensor; unpacked codes are accepted for either)."""
+    (of a sharded ``p``: its shard's QTensor; every codes layout of :mod:`records` is accepted for either)."""
     device = p.device
     missing = [k for k in ("codes", "scales", "shape", "codec") if k not in value]
     if missing:
@@ -435,7 +438,7 @@ def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec,
             q = sharded_state.import_qtensor(value, codec, p, lambda m: _fail(f"{where}: {m}"),
                                              f"quantized state {key!r}")
         else:
-            q = QTensor(_packed_codes(value, codec, shape), value["scales"], torch.Size(shape), codec)
+            q = QTensor(records.flat_codes(value, codec, shape), value["scales"], torch.Size(shape), codec)
     except (ValueError, TypeError) as e:
         _fail(f"{where}: quantized state {key!r} is invalid: {e}")
     q = QTensor(q.codes.to(device, copy=True), q.scales.to(device, copy=True), q.shape, codec)
@@ -448,15 +451,3 @@ def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec,
     if spec.slot in _NON_NEGATIVE and codec.signed and bool((own < 0).any()):
         _fail(f"{where}: key {key!r} holds negative values; a second moment is never negative")
     return q
-
-
-def _packed_codes(record: Mapping[str, Any], codec: Codec, shape: list[int]) -> torch.Tensor:
-    """The packed codes of a record; unpacked ones (a sharded run's, :mod:`sharded_state`) are packed."""
-    codes = record["codes"]
-    if record.get(sharded_state.UNPACKED, True) is not False:
-        return codes
-    if is_sharded(codes):
-        codes = codes.full_tensor()
-    if codes.dtype != torch.uint8 or tuple(codes.shape) != tuple(shape):
-        raise ValueError(f"unpacked codes must be uint8 of shape {tuple(shape)}, got {codes.dtype} {tuple(codes.shape)}")
-    return packing.pack(codes.reshape(-1).to(torch.int64), codec.bits)

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from ..codec import QTensor
+from ..codec import Codec, QTensor
 from .checkpoint import SECTION_KEY
+from .records import flat_codes
 from .states import factored_dense
 
 __all__ = ["export_torch_state_dict"]
@@ -31,7 +32,9 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
         out = {}
         for key, value in entry.items():
             if isinstance(value, Mapping):
-                value = QTensor.from_dict(value).decode()
+                codec = Codec.from_dict(value["codec"])
+                value = QTensor(flat_codes(value, codec, value["shape"]), value["scales"], torch.Size(value["shape"]),
+                                codec).decode()
             if key == "step":
                 if opt.requires_step:
                     out["step"] = value.clone()

@@ -5,15 +5,16 @@ In ``state_dict()`` a sharded parameter's states are *global* objects, independe
 size that wrote them:
 
 * a dense state is a DTensor with the parameter's placement (as torch.optim's own states);
-* a quantized state is the record ``{"codes", "scales", "shape", "codec", "packed": False}`` where
-  ``codes`` are the *unpacked* codes (uint8, one per element) as a DTensor of the global shape with
-  the parameter's placement, and ``scales`` are the global tensor's scales (fp32, every rank holds
+* a quantized state is the record of :mod:`qconf.optim.records` (the layout an unsharded run
+  writes too): ``codes`` packed row by row, ``[rows, bytes per row]`` uint8, as a DTensor with
+  the parameter's placement, and ``scales`` the global tensor's scales (fp32, every rank holds
   all of them; the shards' scales are combined with one all-reduce per ``state_dict()``).
 
-Codes are unpacked so that they reshard row by row like the parameter (a 4-bit shard may start in
-the middle of a byte); scales are small (1/group_size of the elements, or the sum of the dims for
-rank1). Loading re-slices both for the loading rank's shard (no re-encoding); only a state saved
-under a different codec than the loading optimizer's plan is decoded and re-encoded, collectively.
+Rows are packed on their own so that codes reshard row by row like the parameter (a 4-bit shard
+may start in the middle of a flat byte stream, never inside a row's bytes); scales are small
+(1/group_size of the elements, or the sum of the dims for rank1). Loading re-slices both for the
+loading rank's shard (no re-encoding); only a state saved under a different codec than the loading
+optimizer's plan is decoded and re-encoded, collectively.
 Every rank must call ``state_dict()`` / ``load_state_dict()`` together.
 """
 from __future__ import annotations
@@ -27,18 +28,18 @@ import torch.distributed as dist
 
 from ..codec import Codec, QTensor
 from ..codec import packing
+from .records import PACKING, ROWS, row_geometry
 from .sharded import DTensor, PendingEncode, ShardGeometry, ShardView, is_sharded, shard_geometry
 
-__all__ = ["export_states", "import_qtensor", "import_dense", "convert_local", "agree", "UNPACKED"]
-
-#: the record key that marks unpacked codes (absent or True: packed bytes, as an unsharded run saves)
-UNPACKED = "packed"
+__all__ = ["export_states", "import_qtensor", "import_dense", "convert_local", "agree"]
 
 
-def _global_dtensor(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``local`` (the shard of a tensor shaped like the parameter ``p``) as a DTensor like ``p``."""
-    stride = tuple(math.prod(p.shape[d + 1:]) for d in range(p.dim()))
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=stride)
+def _global_dtensor(local: torch.Tensor, p: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``local`` (this rank's rows of a tensor of global ``shape``, by default the parameter
+    ``p``'s, sharded on dim 0 as ``p`` is) as a DTensor placed like ``p``."""
+    shape = tuple(p.shape) if shape is None else shape
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
 
 
 def export_states(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
@@ -78,25 +79,27 @@ def _export_qtensor(q: QTensor, p: torch.Tensor, geo: ShardGeometry,
                     full_scales: list[tuple[ShardGeometry, torch.Tensor]]) -> dict[str, Any]:
     codec = q.codec
     lead = geo.lead(codec)
-    codes = packing.unpack(q.codes, codec.bits, q.numel())[lead:].to(torch.uint8).reshape(geo.local_shape)
+    rows, inner = row_geometry(geo.global_shape)
+    local = packing.unpack(q.codes, codec.bits, q.numel())[lead:].reshape(geo.local_shape[0], inner)
     scales = torch.zeros(codec.num_scales(geo.global_shape), dtype=torch.float32)
     scales[geo.scale_positions(codec)] = q.scales.cpu()
     full_scales.append((geo, scales))
-    return {"codes": _global_dtensor(codes, p), "scales": scales.to(q.scales.device), "shape": list(geo.global_shape),
-            "codec": codec.to_dict(), UNPACKED: False}
+    codes = _global_dtensor(packing.pack_rows(local, codec.bits), p, (rows, packing.packed_nbytes(inner, codec.bits)))
+    return {"codes": codes, "scales": scales.to(q.scales.device), "shape": list(geo.global_shape),
+            "codec": codec.to_dict(), PACKING: ROWS}
 
 
-def _rows(value: torch.Tensor, p: torch.Tensor, geo: ShardGeometry, fail: Callable[[str], None], what: str
-          ) -> torch.Tensor:
-    """This rank's rows of a tensor shaped like the global parameter: the local part of a DTensor
-    placed like ``p``, or a slice of a full tensor."""
+def _rows(value: torch.Tensor, p: torch.Tensor, geo: ShardGeometry, fail: Callable[[str], None], what: str,
+          shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """This rank's rows of a tensor of global ``shape`` (by default the parameter's) with the
+    parameter's rows: the local part of a DTensor placed like ``p``, or a slice of a full tensor."""
+    shape = geo.global_shape if shape is None else shape
     if is_sharded(value):
-        if tuple(value.shape) != geo.global_shape or value.placements != p.placements:
-            fail(f"{what} is a DTensor {tuple(value.shape)} {value.placements}, expected "
-                 f"{geo.global_shape} {p.placements}")
+        if tuple(value.shape) != shape or value.placements != p.placements:
+            fail(f"{what} is a DTensor {tuple(value.shape)} {value.placements}, expected {shape} {p.placements}")
         return value.to_local()
-    if tuple(value.shape) != geo.global_shape:
-        fail(f"{what} has shape {tuple(value.shape)}, expected {geo.global_shape}")
+    if tuple(value.shape) != shape:
+        fail(f"{what} has shape {tuple(value.shape)}, expected {shape}")
     return value[geo.row_start:geo.row_start + geo.local_shape[0]] if geo.global_shape else value
 
 
@@ -110,9 +113,9 @@ def import_dense(value: Any, p: torch.Tensor, fail: Callable[[str], None], what:
 
 def import_qtensor(record: Mapping[str, Any], codec: Codec, p: torch.Tensor, fail: Callable[[str], None],
                    what: str) -> QTensor:
-    """The local QTensor of sharded ``p`` from a global quantized record (packed codes as an
-    unsharded run saves them, or unpacked ones as :func:`export_states` does), under the record's
-    own ``codec``; scales and codes are re-sliced, never re-encoded."""
+    """The local QTensor of sharded ``p`` from a global quantized record (any codes layout of
+    :mod:`qconf.optim.records`), under the record's own ``codec``; scales and codes are
+    re-sliced, never re-encoded."""
     geo = shard_geometry(p)
     codes, scales = record["codes"], record["scales"]
     if is_sharded(scales):
@@ -122,15 +125,25 @@ def import_qtensor(record: Mapping[str, Any], codec: Codec, p: torch.Tensor, fai
              f"{scales.dtype} {tuple(scales.shape)}")
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):  # all of them: one check on every rank
         fail(f"{what}: has NaN, infinite or negative scales")
-    if record.get(UNPACKED, True) is False:
+    layout = record.get(PACKING, True)
+    if layout == ROWS:
+        rows, inner = row_geometry(geo.global_shape)
+        nbytes = packing.packed_nbytes(inner, codec.bits)
+        if codes.dtype != torch.uint8:
+            fail(f"{what}: row-packed 'codes' must be uint8, got {codes.dtype}")
+        local = _rows(codes, p, geo, fail, f"{what}: 'codes'", (rows, nbytes))
+        local = packing.unpack_rows(local, codec.bits, inner).reshape(-1)
+    elif layout is False:
         if codes.dtype != torch.uint8:
             fail(f"{what}: unpacked 'codes' must be uint8, got {codes.dtype}")
         local = _rows(codes, p, geo, fail, f"{what}: 'codes'").reshape(-1).to(torch.int64)
-    else:
+    elif layout is True:
         numel = math.prod(geo.global_shape)
         if codes.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() != packing.packed_nbytes(numel, codec.bits):
             fail(f"{what}: 'codes' must be 1-D uint8 with {packing.packed_nbytes(numel, codec.bits)} bytes")
         local = packing.unpack(codes, codec.bits, numel)[geo.offset:geo.offset + geo.local_numel]
+    else:
+        fail(f"{what}: '{PACKING}' must be {ROWS!r}, True or False, got {layout!r}")
     lead = geo.lead(codec)
     if lead:
         local = torch.cat([local.new_zeros(lead), local])
