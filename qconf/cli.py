@@ -16,17 +16,22 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import math
 import os
+import shutil
 import sys
+import textwrap
 import warnings
 from typing import Any, Callable, Sequence
 
 from ._table import format_table
 from .config import STATE_NAMES, QConfig, load_config, resolve_plan
-from .config.builtin import builtin_dir, builtin_names, builtin_summary
+from .config.builtin import builtin_dir, builtin_names, builtin_summary, is_builtin_name
+from .config.report import Reporter, fmt
+from .config.yamlfile import check_config_path
 from .errors import QConfigError
 
-__all__ = ["main", "build_parser", "parse_model_shapes", "COMMANDS"]
+__all__ = ["main", "build_parser", "parse_model_shapes", "COMMANDS", "MAX_SHAPE_NUMEL"]
 
 _BUILTIN_HINT = "(e.g. default, 8bit, fp32; qconf validate --list shows all)"
 #: exit code of a command whose stdout was closed early (``qconf show ... | head``): 128 + SIGPIPE, what a
@@ -49,6 +54,15 @@ def _load(path: str) -> tuple[QConfig | None, list[str], QConfigError | None]:
         except QConfigError as e:
             cfg, err = None, e
     return cfg, [str(w.message) for w in caught], err
+
+
+def _unreadable_config(path: str) -> str | None:
+    """Why the config argument ``path`` names no readable file (not found, a directory, a device), in
+    the words ``qconf validate`` uses, or None: a regular file, or a built-in name (loading checks it)."""
+    if is_builtin_name(path):
+        return None
+    rep = Reporter(path)
+    return None if check_config_path(path, rep) else "; ".join(map(str, rep.problems))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,21 +103,47 @@ def _list_builtins(files: Sequence[str]) -> int:
     status = 0
     names = builtin_names()
     width = max(map(len, names))
+    columns = _terminal_columns()
     for name in names:
         _, _, err = _load(name)
         status = status if err is None else 1
         mark = "" if err is None else "  [INVALID: " + "; ".join(map(str, err.problems)) + "]"
-        print(f"{name:{width}}  {builtin_summary(name)}{mark}")
+        print(_list_entry(f"{name:{width}}  ", builtin_summary(name) + mark, columns))
     print(f"# {len(names)} built-in configs in {builtin_dir()}; use a name wherever a config file is taken")
     return status
+
+
+def _terminal_columns() -> int | None:
+    """The terminal's width when stdout is one, else None (a pipe or file gets one line per entry)."""
+    isatty = getattr(sys.stdout, "isatty", None)
+    return shutil.get_terminal_size().columns if isatty is not None and isatty() else None
+
+
+def _list_entry(head: str, text: str, columns: int | None) -> str:
+    """``head + text``, wrapped at word boundaries to ``columns`` with continuation lines indented
+    under ``text`` (unwrapped when ``columns`` is None or leaves under 30 characters for the text)."""
+    if columns is None or columns - len(head) < 30:
+        return head + text
+    return textwrap.fill(text, columns, initial_indent=head, subsequent_indent=" " * len(head),
+                         break_long_words=False, break_on_hyphens=False)
+
+
 
 
 # ---------------------------------------------------------------------------------------------
 # show
 # ---------------------------------------------------------------------------------------------
+#: the most elements ``--model-shapes`` takes for one parameter: 2**48 (~2.8e14, 1 PiB of fp32 per
+#: state) is far above any model's largest tensor, and keeps every byte count an exact int64
+MAX_SHAPE_NUMEL = 2**48
+_SHAPE_ALLOWED = ("name=AxB,... with positive integer dimensions, at most 2**48 elements per parameter, "
+                  "e.g. w=4096x1024; or name=scalar")
+
+
 def parse_model_shapes(spec: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Parse ``'name=AxB,name2=C,bias=scalar'`` into ``[(name, shape), ...]``; ``ValueError`` on bad
-    input. ``scalar`` or ``()`` is a 0-d shape."""
+    """Parse ``'name=AxB,name2=C,bias=scalar'`` into ``[(name, shape), ...]``; ``ValueError`` naming the
+    bad entry and what is allowed on bad input. ``scalar`` or ``()`` is a 0-d shape; dimensions are
+    positive and a shape has at most :data:`MAX_SHAPE_NUMEL` elements."""
     out: list[tuple[str, tuple[int, ...]]] = []
     seen: set[str] = set()
     for item in spec.split(","):
@@ -113,20 +153,30 @@ def parse_model_shapes(spec: str) -> list[tuple[str, tuple[int, ...]]]:
         name, eq, dims = (s.strip() for s in item.partition("="))
         if not eq or not name or not dims:
             raise ValueError(f"{item!r} is not name=shape (expected name=AxB,name2=C,...)")
-        if dims.lower() in ("scalar", "()"):
-            shape: tuple[int, ...] = ()
-        else:
-            parts = [d.strip() for d in dims.lower().split("x")]
-            bad = [d for d in parts if not d.isdigit()]
-            if bad:
-                raise ValueError(f"{item!r}: {bad[0]!r} is not a non-negative integer dimension "
-                                 "(expected name=AxB, e.g. w=4096x1024)")
-            shape = tuple(int(d) for d in parts)
+        shape = _parse_shape(item, dims)
         if name in seen:
             raise ValueError(f"parameter {name!r} is given twice")
         seen.add(name)
         out.append((name, shape))
     return out
+
+
+def _parse_shape(item: str, dims: str) -> tuple[int, ...]:
+    """The shape ``dims`` (``'AxB'``, ``'scalar'``) of the ``--model-shapes`` entry ``item``; ValueError
+    naming the entry, the bad dimension and what is allowed."""
+    if dims.lower() in ("scalar", "()"):
+        return ()
+    parts = [d.strip() for d in dims.lower().split("x")]
+    for d in parts:
+        if not d:
+            raise ValueError(f"{fmt(item)}: shape {fmt(dims)} has an empty dimension (allowed: {_SHAPE_ALLOWED})")
+        if not (d.isascii() and d.isdigit()) or not d.strip("0"):  # isdigit alone takes '²'; int() does not
+            raise ValueError(f"{fmt(item)}: dimension {fmt(d)} is not a positive integer (allowed: {_SHAPE_ALLOWED})")
+    # more than 15 digits is more than 2**48; checked before int(), which is slow on (and refuses) huge texts
+    if any(len(d.lstrip("0")) > 15 for d in parts) or math.prod(map(int, parts)) > MAX_SHAPE_NUMEL:
+        raise ValueError(f"{fmt(item)}: shape {fmt(dims)} has more than 2**48 = {MAX_SHAPE_NUMEL} elements "
+                         f"(allowed: {_SHAPE_ALLOWED})")
+    return tuple(map(int, parts))
 
 
 def _register_show(sub: argparse._SubParsersAction) -> None:
@@ -137,7 +187,8 @@ def _register_show(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE", help=f"YAML config file or built-in name {_BUILTIN_HINT}")
     p.add_argument("--model-shapes", action="append", metavar="SPEC",
                    help="parameters as name=AxB,name2=C,... (name is the qualified parameter name, e.g. "
-                        "layers.0.attn.weight; 'scalar' for a 0-d parameter); may be repeated")
+                        "layers.0.attn.weight; dimensions are positive integers, at most 2**48 elements per "
+                        "parameter; 'scalar' for a 0-d parameter); may be repeated")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
     p.set_defaults(func=_cmd_show)
 
@@ -260,6 +311,10 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .study.cli import execute
 
+    for path in args.configs:  # a directory or device is reported as validate reports it, not as "not found"
+        problem = _unreadable_config(path)
+        if problem is not None:
+            return _usage_error("compare", problem)
     return execute(args)
 
 

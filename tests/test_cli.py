@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import qconf.cli
 from qconf._table import format_table
-from qconf.cli import main, parse_model_shapes
+from qconf.bench.cli import SIZE_CHOICES
+from qconf.cli import MAX_SHAPE_NUMEL, build_parser, main, parse_model_shapes
 from qconf.config import load_config, resolve_plan
 from qconf.config.builtin import builtin_names
 
@@ -60,6 +62,30 @@ def test_validate_missing_and_syntax(capsys, tmp_path):
     assert len(lines) == 2
     assert "missing.yml" in lines[0] and "not found" in lines[0]
     assert lines[1].startswith(f"{broken}:2:1: YAML syntax error:")
+
+
+def test_validate_not_utf8_names_byte_line_and_column(capsys, tmp_path):
+    f = tmp_path / "latin1.yml"
+    f.write_bytes("min_numel: 4096\n# café\n".encode("latin-1"))
+    code, out, _ = run(capsys, "validate", str(f))
+    assert code == 1
+    assert out.splitlines() == [f"{f}:2:6: config file is not UTF-8 text: byte 0xe9 at byte offset 21 does not begin "
+                                "a valid UTF-8 character (allowed: UTF-8 text)"]  # not PyYAML's '"<byte string>"'
+
+
+@pytest.mark.parametrize("kind", ["directory", "missing", "device"])
+def test_compare_reports_unreadable_config_as_validate_does(capsys, tmp_path, kind):
+    path = {"directory": str(tmp_path), "missing": str(tmp_path / "missing.yml"), "device": os.devnull}[kind]
+    code, out, _ = run(capsys, "validate", path)
+    assert code == 1
+    (problem,) = out.splitlines()
+    assert problem == {"directory": f"{path}: cannot read config file: it is a directory (allowed: a YAML file)",
+                       "missing": f"{path}: config file not found",
+                       "device": f"{path}: cannot read config file: it is not a regular file (a device, FIFO or "
+                                 "socket) (allowed: a YAML file)"}[kind]
+    code, out, err = run(capsys, "compare", "default", path, "--no-progress")  # checked before any training
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [f"qconf compare: error: {problem}"]
 
 
 def test_validate_warnings_are_not_failures(capsys, tmp_path):
@@ -167,6 +193,28 @@ def test_show_bad_shapes_exit_2(capsys, spec):
     assert len(lines) == 1 and "--model-shapes" in lines[0]
 
 
+@pytest.mark.parametrize("spec, words", [
+    ("w=x", ["'w=x'", "shape 'x' has an empty dimension"]),
+    ("w=1²", ["'w=1²'", "dimension '1²' is not a positive integer"]),             # str.isdigit() takes '²'
+    ("w=4x0", ["'w=4x0'", "dimension '0' is not a positive integer"]),
+    ("w=1" + "0" * 40, ["shape '1000", "has more than 2**48 = 281474976710656 elements"]),   # printed 1e40 B before
+    ("w=65536x65536x65536x2", ["'w=65536x65536x65536x2'", "has more than 2**48"]),
+    ("w=" + "9" * 5000, ["has more than 2**48"]),                                 # no int() of 5000 digits
+])
+def test_show_bad_sizes_name_item_and_bound(capsys, spec, words):
+    code, out, err = run(capsys, "show", DEFAULT, "--model-shapes", spec)
+    assert (code, out) == (2, "")
+    (line,) = err.splitlines()
+    assert line.startswith("qconf show: error: --model-shapes: ") and "int()" not in line
+    assert all(w in line for w in words), line
+    assert "(allowed: name=AxB,... with positive integer dimensions, at most 2**48 elements per parameter" in line
+
+
+def test_model_shapes_bound_is_inclusive():
+    assert MAX_SHAPE_NUMEL == 2**48
+    assert parse_model_shapes("w=65536x65536x65536,b=0001") == [("w", (65536, 65536, 65536)), ("b", (1,))]
+
+
 def test_show_bad_config_exit_1(capsys, tmp_path):
     f = tmp_path / "bad.yml"
     f.write_text("states: {exp_avg: {map: nonlinar}}\n")
@@ -205,6 +253,17 @@ def test_version(capsys):
     assert code == 0 and out.startswith("qconf ")
 
 
+def test_bench_size_help_and_error_list_the_same_choices(capsys):
+    code, out, _ = run(capsys, "bench", "--help")
+    assert code == 0 and "--size {big,many,one,both,all}" in out
+    assert SIZE_CHOICES == ("big", "many", "one", "both", "all")
+    code, _, err = run(capsys, "bench", "--size", "huge")
+    assert code == 2
+    assert err.splitlines()[-1] == ("qconf bench: error: argument --size: invalid choice: 'huge' (choose from big, "
+                                    "many, one, both, all)")  # not the smoke-test 'tiny' that --help hides
+    assert build_parser().parse_args(["bench", "--size", "tiny"]).size == "tiny"  # still accepted
+
+
 # -- table formatter -------------------------------------------------------------------------------------
 def test_format_table():
     text = format_table(["name", "n", "x"], [["a", 1, 0.5], ["long", 12345, None]])
@@ -237,6 +296,34 @@ def test_validate_list_shows_every_builtin(capsys):
     assert lines[-1].startswith(f"# {len(names)} built-in configs in ")
     code, _, err = run(capsys, "validate", "--list", "default")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--list takes no FILE" in err
+
+
+def test_validate_list_descriptions_are_whole_sentences(capsys):
+    """A first sentence that runs over several comment lines is shown whole, on one line when piped."""
+    code, out, _ = run(capsys, "validate", "--list")
+    assert code == 0
+    rows = dict(line.split(None, 1) for line in out.splitlines()[:-1])
+    assert rows["8bit"].endswith("exp_avg signed, exp_avg_sq unsigned; tensors with <= 4096 elements keep fp32 "
+                                 "states (bnb min_8bit_size=4096).")
+    assert rows["bitnet"].endswith("output heads stay full precision (the default exclude list).")
+    assert rows["fp32"].endswith("i.e. plain AdamW/SGD/Lion state.")                 # 'i.e.' ends no sentence
+    assert rows["default"].endswith('exp_avg B128/DE -- 4-bit, blocks of 128, signed dynamic-exponent map '
+                                    '("nonlinear"); exp_avg_sq Rank-1/Linear -- 4-bit, scale = min(row absmax, '
+                                    "column absmax), unsigned power-1 map (the paper's \"Linear\": (i+1)/16, no "
+                                    "zero point)")                                   # its table, not cut at ':'
+    assert all(text.endswith((".", ")")) and "Re-expresses" not in text for text in rows.values())
+
+
+def test_validate_list_wraps_to_the_terminal(capsys, monkeypatch):
+    _, piped, _ = run(capsys, "validate", "--list")
+    monkeypatch.setattr(qconf.cli, "_terminal_columns", lambda: 60)
+    code, out, _ = run(capsys, "validate", "--list")
+    assert code == 0
+    lines = out.splitlines()
+    indent = " " * (max(map(len, builtin_names())) + 2)
+    assert all(len(line) <= 60 for line in lines[:-1]) and any(line.startswith(indent) for line in lines)
+    rejoined = "\n".join(lines).replace("\n" + indent, " ")
+    assert rejoined.split() == piped.split()  # the same words, nothing dropped
 
 
 def test_validate_unknown_name_lists_builtins(capsys):

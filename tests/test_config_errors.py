@@ -239,6 +239,40 @@ def test_binary_file(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("data, line, column, offset", [
+    ("min_numel: 4096\n# café\n".encode("latin-1"), 2, 6, 21),
+    (b"min_numel: 5 # caf\xc3", 1, 19, 18),                                  # a character cut at the end
+    (b"\xef\xbb\xbfmin_numel: 5\nx: \x80\n", 2, 4, 19),                    # after a UTF-8 byte-order mark
+], ids=["latin-1", "truncated", "after-bom"])
+def test_not_utf8_names_offset_line_and_column(tmp_path, data, line, column, offset):
+    path = tmp_path / "c.yml"
+    path.write_bytes(data)
+    with pytest.raises(QConfigError) as info:
+        load_config(path)
+    (p,) = info.value.problems
+    assert (p.line, p.column) == (line, column)
+    assert p.message == (f"config file is not UTF-8 text: byte 0x{data[offset]:02x} at byte offset {offset} does not "
+                         "begin a valid UTF-8 character") and p.allowed == "UTF-8 text"
+    assert "position" not in str(p) and "<byte string>" not in str(p)
+
+
+@pytest.mark.parametrize("data", [b"\xef\xbb\xbfmin_numel: 5\n", "min_numel: 5\n".encode("utf-16"),
+                                  "min_numel: 5 # café\n".encode("utf-8")], ids=["utf8-bom", "utf16-bom", "utf8"])
+def test_utf8_and_utf16_with_bom_load(tmp_path, data):
+    path = tmp_path / "c.yml"
+    path.write_bytes(data)
+    assert load_config(path).min_numel == 5
+
+
+def test_control_character_names_line_and_column(tmp_path):
+    path = _write(tmp_path, "min_numel: 5\nx: 'a\x00'\n")
+    with pytest.raises(QConfigError) as info:
+        load_config(path)
+    (p,) = info.value.problems
+    assert str(p) == (f"{path}:2:6: YAML error: non-printable character U+0000 is not allowed (allowed: printable "
+                      "characters, tabs and line breaks)")
+
+
 def test_directory_is_not_a_config(tmp_path):
     with pytest.raises(QConfigError):
         load_config(tmp_path)

@@ -57,14 +57,42 @@ def builtin_path(name: str) -> Path:
 
 
 def builtin_summary(name: str) -> str:
-    """The first line of the built-in config's leading comment (what it is), or ``''``."""
-    for line in builtin_path(name).read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
+    """What the built-in config ``name`` is: the first whole sentence of its file's leading comment,
+    which may run over several comment lines (``''`` without a comment)."""
+    return _first_sentence(_comment_paragraph(builtin_path(name).read_text(encoding="utf-8")))
+
+
+def _comment_paragraph(text: str) -> str:
+    """The first paragraph of ``text``'s leading ``#`` comment as one line: its lines joined by spaces;
+    an indented block (default.yml's table) ends it, its items (lines at the block's indent) joined
+    by '; '. A blank comment line, the end of a block or the first non-comment line ends it."""
+    out, block = "", None  # block: the indent of the block's items, once in one
+    for line in text.splitlines():
+        body = line[1:].removeprefix(" ") if line.startswith("#") else None
+        indent = len(body) - len(body.lstrip()) if body else 0
+        if body is None or (not body.strip() and out) or (block is not None and not indent):
             break
-        text = line.lstrip("#").strip()
-        if text:
-            return text
-    return ""
+        if indent and block is not None and indent <= block:
+            out += ";"
+        block = indent if indent and block is None else block
+        out += " " + " ".join(body.split())  # a table's aligning spaces collapse
+    return out.strip()
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to the first '.', '!' or '?' outside parentheses that is followed by the end, or by
+    a space and a capital letter, quote or bracket (so ``e.g.``, ``et al. 2022`` and ``b1.58`` go
+    on); the whole text when no sentence ends in it."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth = depth + (ch in "([") - (ch in ")]" and depth > 0)
+        after = text[i + 1:i + 3]
+        if ch in ".!?" and depth == 0 and (not after or after[0] == " " and after[1:2] in _SENTENCE_STARTS):
+            return text[:i + 1]
+    return text
+
+
+_SENTENCE_STARTS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZ\"'`([")
 
 
 def is_builtin_name(src: Any) -> bool:

@@ -33,7 +33,7 @@ from .bitnet import BITNET_FIELDS, BitNetConfig
 from .model import Override, QConfig, WeightsConfig
 from .rules import (BAD, TOP_FIELDS, TOP_KEYS, WEIGHTS_FIELDS, Reporter, as_text, check_override, check_section,
                     check_states, check_value, fmt, kind, unknown_key)
-from .yamlfile import read_yaml
+from .yamlfile import check_config_path, read_yaml
 
 __all__ = ["load_config"]
 
@@ -118,8 +118,9 @@ class _Loader:
 
     # -- files ---------------------------------------------------------------------------------
     def load_top_file(self, path: str) -> dict[str, Any]:
-        if not os.path.lexists(path):
-            self.problems.append(Problem(path, "", path, "", "config file not found"))
+        rep = Reporter(path)
+        if not check_config_path(path, rep):  # missing, a directory, a device: worded as for every command
+            self.problems.extend(rep.problems)
             return {}
         self._visit_file(path, [])
         return self._merged()

@@ -5,7 +5,8 @@ real config, and each failure is a :class:`~qconf.errors.Problem` naming the lim
 
 * the file: a regular file (no device such as ``/dev/zero``, no FIFO, no directory; opened
   non-blocking, so a FIFO without a writer cannot hang the open) of at most
-  :data:`MAX_FILE_BYTES`;
+  :data:`MAX_FILE_BYTES`, holding UTF-8 text (UTF-16 with a byte-order mark too, as YAML allows);
+  :func:`check_config_path` words these problems for every command that takes a config path;
 * parsing: at most :data:`MAX_YAML_NODES` nodes and :data:`MAX_YAML_DEPTH` levels, counted while
   composing (the pure-Python parser costs ~0.1 ms a node; the composer recurses per level);
 * the document after aliases and merge keys: at most :data:`MAX_YAML_NODES` nodes when every use
@@ -20,6 +21,7 @@ Duplicate keys are problems too (YAML silently keeps the last one), and a value 
 """
 from __future__ import annotations
 
+import codecs
 import os
 import stat
 from typing import Any
@@ -28,7 +30,7 @@ import yaml
 
 from .rules import BAD, Reporter, join
 
-__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "MAX_YAML_DEPTH", "MAX_INT_CHARS", "read_yaml"]
+__all__ = ["MAX_FILE_BYTES", "MAX_YAML_NODES", "MAX_YAML_DEPTH", "MAX_INT_CHARS", "check_config_path", "read_yaml"]
 
 MAX_FILE_BYTES = 64 << 10  # 50x the largest shipped config; the pure-Python parser takes ~3 us a byte
 MAX_YAML_NODES = 10_000  # a real config has tens to hundreds; the parser takes ~0.1 ms a node
@@ -48,11 +50,12 @@ def read_yaml(path: str, rep: Reporter) -> Any:
     """Parse one YAML file; report (and return ``BAD``) on unreadable or oversized files, syntax
     errors, exceeded bounds, values YAML cannot build and duplicate keys. An empty file is ``None``."""
     data = _read_bytes(path, rep)
-    if data is None:
+    source = None if data is None else _decode(data, rep)
+    if source is None:
         return BAD
     loader = None
     try:
-        loader = _BoundedLoader(data)
+        loader = _BoundedLoader(source)
         node = loader.get_single_node()
         if node is None:
             return None
@@ -74,7 +77,11 @@ def read_yaml(path: str, rep: Reporter) -> Any:
             text = f"{text} ({e.context})"
         rep.add("", None, f"{label}: {text}", line=mark.line + 1 if mark else None,
                 column=mark.column + 1 if mark else None)
-    except yaml.YAMLError as e:  # e.g. undecodable bytes
+    except yaml.reader.ReaderError as e:  # a control character (the text is decoded already)
+        line, column = _position(source[:e.position])
+        rep.add("", None, f"YAML error: non-printable character U+{e.character:04X} is not allowed",
+                "printable characters, tabs and line breaks", line=line, column=column)
+    except yaml.YAMLError as e:
         rep.add("", None, f"YAML error: {e}")
     except RecursionError:
         rep.add("", None, "YAML error: document nests too deeply", f"at most {MAX_YAML_DEPTH} levels")
@@ -86,6 +93,32 @@ def read_yaml(path: str, rep: Reporter) -> Any:
     return BAD
 
 
+def check_config_path(path: str, rep: Reporter) -> bool:
+    """Whether ``path`` is a regular file; if not, report why it cannot be a config file (not found,
+    a directory, a device/FIFO/socket, not accessible). The one wording of these problems for
+    ``load_config`` and every command that takes a config path (``qconf compare DIR`` says what
+    ``qconf validate DIR`` says)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        broken = " (it is a broken symbolic link)" if os.path.islink(path) else ""
+        rep.add("", path, "config file not found" + broken)
+        return False
+    except (OSError, ValueError) as e:  # ValueError: an embedded NUL in the path
+        rep.add("", path, f"cannot read config file: {getattr(e, 'strerror', None) or e}")
+        return False
+    return _is_regular(path, mode, rep)
+
+
+def _is_regular(path: str, mode: int, rep: Reporter) -> bool:
+    """Whether ``mode`` is a regular file's; if not, report that ``path`` is a directory or other non-file."""
+    if stat.S_ISREG(mode):
+        return True
+    what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+    rep.add("", path, f"cannot read config file: it is {what}", "a YAML file")
+    return False
+
+
 def _read_bytes(path: str, rep: Reporter) -> bytes | None:
     """The file's bytes, or None after reporting why not (not a regular file, too large, unreadable)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
@@ -95,10 +128,7 @@ def _read_bytes(path: str, rep: Reporter) -> bytes | None:
         rep.add("", path, f"cannot read config file: {getattr(e, 'strerror', None) or e}")
         return None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
-            rep.add("", path, f"cannot read config file: it is {what}", "a YAML file")
+        if not _is_regular(path, os.fstat(fd).st_mode, rep):  # fstat: what was opened, not what is there now
             return None
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(MAX_FILE_BYTES + 1)  # not st_size: the file may grow, or be a /proc file
@@ -113,11 +143,32 @@ def _read_bytes(path: str, rep: Reporter) -> bytes | None:
     return data
 
 
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def _decode(data: bytes, rep: Reporter) -> str | None:
+    """The file's text -- UTF-8, or UTF-16 when it starts with a UTF-16 byte-order mark (YAML allows
+    both) -- or None after reporting where the first byte that is not such text is (offset, line, column)."""
+    name, codec = ("UTF-16", "utf-16") if data[:2] in _UTF16_BOMS else ("UTF-8", "utf-8")
+    try:
+        return data.decode(codec).removeprefix("\ufeff")  # a UTF-8 byte-order mark ('utf-16' drops its own)
+    except UnicodeDecodeError as e:  # e.start: an offset in data ('utf-8-sig' would count from after the mark)
+        line, column = _position(data[:e.start].decode(codec, "replace").removeprefix("\ufeff"))
+        rep.add("", None, f"config file is not {name} text: byte 0x{data[e.start]:02x} at byte offset {e.start} "
+                f"does not begin a valid {name} character", f"{name} text", line=line, column=column)
+        return None
+
+
+def _position(before: str) -> tuple[int, int]:
+    """1-based ``(line, column)`` of the character that follows the text ``before``."""
+    return before.count("\n") + 1, len(before) - (before.rfind("\n") + 1) + 1
+
+
 class _BoundedLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that counts the nodes it composes, refuses over-long integers and turns
     any failure to build a value into a ``ConstructorError`` at the value's position."""
 
-    def __init__(self, stream: bytes) -> None:
+    def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.composed, self.depth = 0, 0
 
