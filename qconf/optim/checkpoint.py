@@ -438,7 +438,7 @@ def _as_qtensor(where: str, key: str, value: Mapping[str, Any], spec: StateSpec,
             q = sharded_state.import_qtensor(value, codec, p, lambda m: _fail(f"{where}: {m}"),
                                              f"quantized state {key!r}")
         else:
-            q = QTensor(records.flat_codes(value, codec, shape), value["scales"], torch.Size(shape), codec)
+            q = records.from_record(value, codec)
     except (ValueError, TypeError) as e:
         _fail(f"{where}: quantized state {key!r} is invalid: {e}")
     q = QTensor(q.codes.to(device, copy=True), q.scales.to(device, copy=True), q.shape, codec)

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..codec import Codec, QTensor
+from ..codec import Codec
 from .checkpoint import SECTION_KEY
-from .records import flat_codes
+from .records import from_record
 from .states import factored_dense
 
 __all__ = ["export_torch_state_dict"]
@@ -32,9 +32,7 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
         out = {}
         for key, value in entry.items():
             if isinstance(value, Mapping):
-                codec = Codec.from_dict(value["codec"])
-                value = QTensor(flat_codes(value, codec, value["shape"]), value["scales"], torch.Size(value["shape"]),
-                                codec).decode()
+                value = from_record(value, Codec.from_dict(value["codec"])).decode()
             if key == "step":
                 if opt.requires_step:
                     out["step"] = value.clone()

@@ -30,7 +30,7 @@ from ..codec import Codec, QTensor
 from ..codec import packing
 from .sharded import is_sharded
 
-__all__ = ["PACKING", "ROWS", "row_geometry", "to_record", "flat_codes"]
+__all__ = ["PACKING", "ROWS", "row_geometry", "to_record", "from_record", "flat_codes"]
 
 #: the record key that says how its codes are laid out
 PACKING = "packed"
@@ -54,6 +54,13 @@ def to_record(q: QTensor) -> dict[str, Any]:
     else:
         codes = packing.pack_rows(packing.unpack(q.codes, bits, rows * inner).view(rows, inner), bits)
     return {"codes": codes, "scales": q.scales, "shape": list(q.shape), "codec": q.codec.to_dict(), PACKING: ROWS}
+
+
+def from_record(record: Mapping[str, Any], codec: Codec) -> QTensor:
+    """The unsharded QTensor of a record in any layout, under ``codec`` (the record's own, parsed);
+    ValueError names a wrong codes shape or dtype."""
+    shape = list(record["shape"])
+    return QTensor(flat_codes(record, codec, shape), record["scales"], torch.Size(shape), codec)
 
 
 def flat_codes(record: Mapping[str, Any], codec: Codec, shape: list[int]) -> torch.Tensor:
