@@ -47,6 +47,7 @@ _TORCH_ADAM_KEYS = {"amsgrad": False, "foreach": None, "capturable": False, "dif
 
 class _AdamBase(QOptimizer):
     decoupled_weight_decay: bool = True
+    elementwise_rule = True  # (a factored second moment steps whole: see qconf.optim.reference)
     qconf_only_group_keys = ("factor_second_moment",)
     layout_variants = ({"factor_second_moment": False}, {"factor_second_moment": True})
 

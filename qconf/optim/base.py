@@ -265,7 +265,8 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
     def _fusable(self, group: dict[str, Any]) -> bool:
         """Whether every parameter of ``group`` can take the fused step. With ``fused=True`` an
         unfusable parameter is an error naming it; with ``fused=None`` the group falls back to the
-        reference path with a warning."""
+        reference path with a warning. Strides do not matter: a non-contiguous parameter steps
+        through a contiguous copy (:class:`~qconf.optim.fused.GroupPlan`)."""
         key = (self._layout_version, len(group["params"]))
         cached = self._fusable_cache.get(id(group))
         if cached is None or cached[0] != key:
@@ -308,8 +309,11 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
                 return None
         signature = self._spec_signature(group)
         # the state entries' identities: opt.state.clear(), del opt.state[p] or opt.state[p] = {...}
-        # (ZeroRedundancyOptimizer.load_state_dict) orphan the plan's tensors
-        return ((lambda: (self._layout_version, have, signature, tuple(id(self.state.get(p)) for p in params))),
+        # (ZeroRedundancyOptimizer.load_state_dict) orphan the plan's tensors; which parameters are
+        # non-contiguous (they step through a copy, outside the C++ plan: fused.GroupPlan) can
+        # change with ``p.data = ...``
+        return ((lambda: (self._layout_version, have, signature, tuple(id(self.state.get(p)) for p in params),
+                          tuple(k for k, p in enumerate(params) if not p.is_contiguous()))),
                 (lambda: self._fused_params(group, params)))
 
     def _fused_step(self, group: dict[str, Any]) -> None:

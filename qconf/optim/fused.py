@@ -49,9 +49,7 @@ def unfusable_reason(p: torch.Tensor) -> str | None:
         return f"device {p.device} (fused kernels run on CPU and CUDA)"
     if p.dim() > layout()["max_dims"]:
         return f"{p.dim()} dimensions (at most {layout()['max_dims']})"
-    if not p.is_contiguous():
-        return "a non-contiguous parameter"
-    return None
+    return None  # any strides: a non-contiguous parameter steps through a contiguous copy (GroupPlan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +58,9 @@ class FusedParam:
 
     Attributes:
         index: the parameter's index in the optimizer (``state_dict`` order): its random streams.
-        param: the parameter (fp32/bf16/fp16, contiguous); its ``.grad`` is read at each step.
+        param: the parameter (fp32/bf16/fp16, any strides); its ``.grad`` is read at each step.
+            A non-contiguous parameter steps through a contiguous copy that is written back in
+            place (:class:`GroupPlan`); a non-contiguous gradient is copied by the kernel.
         step: its step counter (a one-element fp32 CPU tensor; the kernel increments it).
         states: each state's value (tensor or QTensor) by kernel slot; ``ROW``/``COL`` present
             means a factored second moment, ``COMPENSATION`` a Kahan buffer.
@@ -97,7 +97,14 @@ def hyper_values(hyper: Hyper) -> list[float]:
 
 class GroupPlan:
     """The kernel's arguments for one param group (``rule``: the layout's rule id), and the C++
-    ``StepPlan`` holding them. ``one_shot``: valid for this step only (a state starts now)."""
+    ``StepPlan`` holding them. ``one_shot``: valid for this step only (a state starts now).
+
+    The kernels take contiguous parameters. A non-contiguous one (``strided``: its positions in
+    :attr:`params`) is left out of the C++ plan; :meth:`run` steps it alone through a contiguous
+    copy -- the kernel sees the same logical (row-major) elements, so the results are those of a
+    contiguous parameter bit for bit -- and copies the result back into it in place (its storage,
+    strides and identity unchanged). The copy exists for that parameter's call only: one
+    parameter-sized temporary, plus the kernel's contiguous copy of a non-contiguous gradient."""
 
     def __init__(self, rule: int, fparams: Sequence[FusedParam]):
         lay = layout()
@@ -115,11 +122,32 @@ class GroupPlan:
         self.tables = (torch.stack([codec_table(c) for c in tables]) if tables
                        else torch.zeros(1, TABLE_ROWS, TABLE_SIZE))
         self.one_shot = any(fp.first for fp in fparams)
-        self.cpp = torch.classes.qconf.StepPlan(rule, self.params, self.steps, self.states, self.meta, self.tables)
+        self.strided = tuple(k for k, p in enumerate(self.params) if not p.is_contiguous())
+        if not self.strided:
+            self.cpp = torch.classes.qconf.StepPlan(rule, self.params, self.steps, self.states, self.meta, self.tables)
+            self._strided_args: list[tuple[int, list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = []
+            return
+        n = lay["slot.len"]
+        dense = [k for k in range(len(self.params)) if k not in self.strided]
+        self.cpp = (torch.classes.qconf.StepPlan(rule, [self.params[k] for k in dense], [self.steps[k] for k in dense],
+                                                 [s for k in dense for s in self.states[k * n:(k + 1) * n]],
+                                                 self.meta[dense].contiguous(), self.tables) if dense else None)
+        self._strided_args = [(k, [self.steps[k]], self.states[k * n:(k + 1) * n], self.meta[k:k + 1].clone())
+                              for k in self.strided]
 
     def run(self, hyper: list[float], seed: int) -> None:
-        """One eager step (the C++ plan reads each parameter's ``.grad``)."""
-        self.cpp.run(hyper, seed)
+        """One eager step (the C++ plan reads each parameter's ``.grad``); each non-contiguous
+        parameter then steps alone through a contiguous copy (see the class docstring)."""
+        if self.cpp is not None:
+            self.cpp.run(hyper, seed)
+        for k, steps, states, meta in self._strided_args:
+            p = self.params[k]
+            if p.grad is None:
+                raise RuntimeError(f"qconf fused_step: parameter {k} of the plan has no gradient")
+            work = p.contiguous()  # the parameter-sized copy, freed after this parameter
+            ops.fused_step(self.rule, [work], [p.grad], steps, states, meta, self.tables, hyper, seed)
+            p.copy_(work)
+            del work
 
     def reduce(self, hyper_values: list[float], seed: int, grads: Sequence[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +173,9 @@ class GroupPlan:
           in ``maxima``; -1 where that state is not a two-pass quantized state (fp32, absent,
           single-pass blocks, the Kahan buffer always, or an empty tensor's states).
         """
+        if self.strided:
+            raise RuntimeError(f"qconf GroupPlan.reduce: parameters {list(self.strided)} of the plan are not "
+                               "contiguous; the split step takes contiguous tensors")
         return self.cpp.reduce(hyper_values, _signed64(seed), list(grads))
 
     def apply(self, maxima: torch.Tensor) -> None:
@@ -265,8 +296,12 @@ class FusedStepper:
         a plan of ``count`` parameters and ``num_states`` state tensors."""
         params, grads, steps = tensors[:count], tensors[count:2 * count], tensors[2 * count:3 * count]
         states = tensors[3 * count:3 * count + num_states]
-        ops.fused_step(self._rule, params, grads, steps, states, tensors[-2], tensors[-1], self.hyper_values(hyper),
+        strided = [k for k, p in enumerate(params) if not p.is_contiguous()]
+        work = [p.contiguous() if k in strided else p for k, p in enumerate(params)] if strided else params
+        ops.fused_step(self._rule, work, grads, steps, states, tensors[-2], tensors[-1], self.hyper_values(hyper),
                        _signed64(seed))
+        for k in strided:  # a non-contiguous parameter stepped through a contiguous copy (see GroupPlan)
+            params[k].copy_(work[k])
 
 
 class CompiledFusedSteps:

@@ -24,6 +24,7 @@ class Lion(QOptimizer):
     """Lion with a quantized momentum. Defaults follow the paper: lr=1e-4, betas=(0.9, 0.99)."""
 
     kernel_rule = "lion"
+    elementwise_rule = True
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, qconfig: Any = None,

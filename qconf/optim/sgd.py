@@ -29,6 +29,7 @@ class SGD(QOptimizer):
     kernel_rule = "sgd"
     requires_step = False
     lazy_states = ("momentum_buffer",)
+    elementwise_rule = True
     layout_variants = ({"momentum": 0.0}, {"momentum": 0.9})  # no buffer; a buffer (any momentum != 0)
     torch_group_defaults = {"foreach": None, "differentiable": False, "fused": None}
 

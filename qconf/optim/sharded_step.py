@@ -122,6 +122,8 @@ class ShardedSteps:
                     "kernels only: QCONF_CUDA_KERNELS=specialized)")
         if t.device.type not in ("cpu", "cuda"):
             return f"device {t.device} (the split fused step runs on CPU and CUDA)"
+        if not t.is_contiguous():  # (a plain parameter's eager step copies it: fused.GroupPlan.run)
+            return "a non-contiguous parameter (the split fused step takes contiguous tensors)"
         geo = shard_geometry(p)
         for spec, codec in self.planned_states(i):
             if spec.slot in (Slot.ROW, Slot.COL):
