@@ -460,6 +460,21 @@ struct AdamRule {
     const T d = qsqrt(v) * T(h.inv_bc2_sqrt) + T(h.eps);
     p = p - qdiv(m, d) * T(h.step_size);
   }
+  // Whether apply_plain gives apply's results: no maximize, no coupled L2 decay, v updated.
+  static constexpr bool kHasPlain = true;
+  QCONF_HD static bool plain(const Scalars& h, bool update_v) {
+    return !h.maximize && !(h.has_wd && !h.decoupled) && update_v;
+  }
+  // apply() without its branches, for a loop that checked plain() once: p * decay is p itself
+  // without weight decay (decay = 1 - lr * 0 = 1 exactly, and x * 1 = x for every float).
+  template <class T>
+  QCONF_HD static void apply_plain(T& p, T g, T& m, T& v, const Scalars& h) {
+    p = p * T(h.decay);
+    m = m * T(h.b1) + g * T(h.omb1);
+    v = v * T(h.b2) + (g * g) * T(h.omb2);
+    const T d = qsqrt(v) * T(h.inv_bc2_sqrt) + T(h.eps);
+    p = p - qdiv(m, d) * T(h.step_size);
+  }
   // Whether the states' new values read the parameter (coupled L2 decay adds p * wd to g).
   QCONF_HD static bool states_read_param(const Scalars& h) { return h.has_wd && !h.decoupled; }
   // The gradient the second moment sees (for the factored statistics).
@@ -474,6 +489,7 @@ struct AdamRule {
 // SGD with momentum / dampening / Nesterov; state 0 is the momentum buffer.
 struct SgdRule {
   static constexpr int kStates = 1;
+  static constexpr bool kHasPlain = false;  // (AdamRule::apply_plain)
   QCONF_HD static bool states_read_param(const Scalars& h) { return h.has_wd; }
   template <class T>
   QCONF_HD static void apply(T& p, T g, T& b, T& /*unused*/, const Scalars& h, bool = true) {
@@ -492,6 +508,7 @@ struct SgdRule {
 // Lion; state 0 is the momentum.
 struct LionRule {
   static constexpr int kStates = 1;
+  static constexpr bool kHasPlain = false;
   QCONF_HD static bool states_read_param(const Scalars&) { return false; }
   template <class T>
   QCONF_HD static void apply(T& p, T g, T& m, T& /*unused*/, const Scalars& h, bool = true) {

@@ -279,7 +279,7 @@ struct FastQuantizer {
   // them (code 0) to recode_nan, which runs only for tiles that have non-finite values.
   struct PerVector {
     const float *x, *r;
-    F operator()(int64_t j) const { return Isa::load(x + j) * F(r[j / W]); }
+    F operator()(int64_t j) const { return Isa::load(x + j) * F(r[static_cast<uint64_t>(j) / W]); }  // (j >= 0)
   };
   struct PerElement {
     const float *x, *r;
@@ -305,6 +305,19 @@ struct FastQuantizer {
         for (int h = 0; h < G; ++h) n[h] = norm(j + h * W);
         code_group(n, c);
         Isa::pack8n(codes + first + j, c);
+      }
+    }
+    // one prefetch step per kQuantizeStride elements, the vectors between unrolled
+    for (; j + kQuantizeStride <= len && j % kQuantizeStride == 0; j += kQuantizeStride) {
+      nx.step();
+      if constexpr (BITS == 4) {  // two vectors per packed store
+#pragma GCC unroll 64
+        for (int64_t k = j; k < j + kQuantizeStride; k += 2 * W)
+          Isa::pack4x2(codes + static_cast<uint64_t>(first + k) / 2, code(norm(k), first + k),
+                       code(norm(k + W), first + k + W));
+      } else {
+#pragma GCC unroll 64
+        for (int64_t k = j; k < j + kQuantizeStride; k += W) store(codes, code(norm(k), first + k), first + k);
       }
     }
     for (; j < len; j += W) {

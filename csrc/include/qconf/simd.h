@@ -248,6 +248,10 @@ struct Isa {
     const __m512i w = _mm512_or_si512(c.v, _mm512_srli_epi64(c.v, 28));
     _mm_storel_epi64((__m128i*)p, _mm512_cvtepi64_epi8(w));
   }
+  static void pack4x2(uint8_t* p, I c0, I c1) {  // 32 codes -> 16 bytes
+    pack4(p, c0);
+    pack4(p + W / 2, c1);
+  }
   static I unpack8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c.v)); }
   // table[code] for 16 packed 4-bit codes: vpermps reads only index bits 0..3, so each lane just
@@ -406,6 +410,16 @@ struct Isa {
     const int32_t q = _mm_cvtsi128_si32(_mm_or_si128(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
     __builtin_memcpy(p, &q, 4);
   }
+  static void pack4x2(uint8_t* p, I c0, I c1) {  // 16 codes (c0 then c1) -> 8 bytes
+    // words: lane L holds c0[4L..4L+3], c1[4L..4L+3]; dword d | d >> 12 has byte 0 = the pair's
+    // byte; bytes 0, 4, 8, 12 of each lane to its low dword (c0's two pairs, then c1's two), and
+    // the lanes' words interleaved put c0's four pairs before c1's
+    const __m256i w = _mm256_packus_epi32(c0.v, c1.v);
+    const __m256i b = _mm256_shuffle_epi8(_mm256_or_si256(w, _mm256_srli_epi32(w, 12)),
+                                          _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                           0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storel_epi64((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
   static I unpack8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) {  // 8 codes (< 256) -> 8 bytes: byte 0 of each lane, halves or-ed
     const __m256i b = _mm256_shuffle_epi8(c.v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -491,6 +505,7 @@ struct Isa {
   static constexpr bool kFastPack = false;
   static I unpack4(const uint8_t*) { return 0u; }
   static void pack4(uint8_t*, I) {}
+  static void pack4x2(uint8_t*, I, I) {}
   static I unpack8(const uint8_t*) { return 0u; }
   static void pack8(uint8_t*, I) {}
   static F lookup16_packed4(T16, const uint8_t*) { return 0.0f; }  // kFastPack is false

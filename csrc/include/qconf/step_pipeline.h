@@ -117,16 +117,17 @@ inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* sc
   s.decoded = scratch;
 }
 
+// (i >= 0: the unsigned divisions are shifts)
 template <int IO>
 inline F old_scale(const StateIn& s, int64_t i) {
-  if constexpr (IO == kIOQ4B || IO == kIOQ8B) return F(s.scale[i / W]);
+  if constexpr (IO == kIOQ4B || IO == kIOQ8B) return F(s.scale[static_cast<uint64_t>(i) / W]);
   else return Isa::load(s.scale + i);
 }
 
 // qmap[code] of elements i .. i+W-1 of the tile (4/8-bit kinds)
 template <int IO>
 inline F code_value(const StateIn& s, int64_t i) {
-  if constexpr (io_q4(IO)) return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + i / 2);
+  if constexpr (io_q4(IO)) return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + static_cast<uint64_t>(i) / 2);
   else return Isa::load(s.decoded + i);
 }
 
@@ -148,10 +149,31 @@ inline float load_state_scalar(const StateIn& s, int64_t i) {
   else return 0.0f;
 }
 
+// One vector of the main loop: elements i .. i+W-1 (see main_loop).
+template <class Rule, int IO0, int IO1, bool StoreP, bool Plain>
+inline __attribute__((always_inline)) void main_vector(float* p, const float* g, const StateIn& s0, const StateIn& s1,
+                                                       int64_t i, const Scalars& h, bool update_v) {
+  F P = Isa::load(p + i);
+  F A = load_state<IO0>(s0, i);
+  F B = load_state<IO1>(s1, i);
+  if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + i), A, B, h);
+  else Rule::apply(P, Isa::load(g + i), A, B, h, update_v);
+  if constexpr (StoreP) Isa::store(p + i, P);
+  if constexpr (IO0 != kIONone) Isa::store(s0.out + i, A);
+  if constexpr (IO1 != kIONone) {
+    if (Plain || update_v) Isa::store(s1.out + i, B);
+  }
+}
+
 // StoreP=false (pass 1): only the states' new values are needed; the parameter math is dead code.
-template <class Rule, int IO0, int IO1, bool StoreP = true>
+// Plain: the rule's flags were checked once here (Rule::plain), so the loop runs
+// Rule::apply_plain, with no branch per vector (the final pass of the common AdamW step).
+template <class Rule, int IO0, int IO1, bool StoreP = true, bool Plain = false>
 void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_, int64_t n, const Scalars& hs,
                bool update_v, NextLines& next) {
+  if constexpr (Rule::kHasPlain && StoreP && !Plain) {
+    if (Rule::plain(hs, update_v)) return main_loop<Rule, IO0, IO1, StoreP, true>(p, g, s0_, s1_, n, hs, true, next);
+  }
   const Scalars h = hs;  // local copies: the rule's scalars, the state pointers and the
   const StateIn s0 = s0_, s1 = s1_;  // prefetch cursor stay in registers (stores through float*
   NextLines nx = next;               // could alias the references)
@@ -159,15 +181,7 @@ void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_,
   if constexpr (W > 1) {
     for (; i + W <= n; i += W) {
       if ((i & (nx.main_elems - 1)) == 0) nx.step();
-      F P = Isa::load(p + i);
-      F A = load_state<IO0>(s0, i);
-      F B = load_state<IO1>(s1, i);
-      Rule::apply(P, Isa::load(g + i), A, B, h, update_v);
-      if constexpr (StoreP) Isa::store(p + i, P);
-      if constexpr (IO0 != kIONone) Isa::store(s0.out + i, A);
-      if constexpr (IO1 != kIONone) {
-        if (update_v) Isa::store(s1.out + i, B);
-      }
+      main_vector<Rule, IO0, IO1, StoreP, Plain>(p, g, s0, s1, i, h, update_v);
     }
   }
   for (; i < n; ++i) {

@@ -345,11 +345,17 @@ inline void quantize_run(const StateDesc& st, const SearchTables& tb, const floa
 
 // The max of abs_bits over x[0..n): at least Inf's bits (0x7f800000) iff x has a NaN or an Inf.
 inline uint32_t raw_absmax_bits(const float* x, int64_t n) {
-  I acc(0u);
-  const I mask(0x7fffffffu);
+  I acc(0u), acc1(0u), acc2(0u), acc3(0u);  // (four vectors per iteration: a maximum of integers
+  const I mask(0x7fffffffu);                 // is the same in any order)
   int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    acc = Isa::max_u(acc, Isa::bits(Isa::load(x + j)) & mask);
+    acc1 = Isa::max_u(acc1, Isa::bits(Isa::load(x + j + W)) & mask);
+    acc2 = Isa::max_u(acc2, Isa::bits(Isa::load(x + j + 2 * W)) & mask);
+    acc3 = Isa::max_u(acc3, Isa::bits(Isa::load(x + j + 3 * W)) & mask);
+  }
   for (; j + W <= n; j += W) acc = Isa::max_u(acc, Isa::bits(Isa::load(x + j)) & mask);
-  uint32_t m = Isa::hmax_u(acc);
+  uint32_t m = Isa::hmax_u(Isa::max_u(Isa::max_u(acc, acc1), Isa::max_u(acc2, acc3)));
   for (; j < n; ++j) {
     const uint32_t b = abs_bits(x[j]);
     m = b > m ? b : m;
