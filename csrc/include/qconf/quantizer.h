@@ -13,9 +13,11 @@ inline void fill_per_element(const CodecDesc& c, const TensorDesc& t, const floa
                        int64_t j = 0;
                        if (vec == nullptr) {
                          const F v(cv);
+#pragma GCC unroll 4
                          for (; j + W <= len; j += W) Isa::store(o + j, v);
                          for (; j < len; ++j) o[j] = cv;
                        } else if (!comb) {
+#pragma GCC unroll 4
                          for (; j + W <= len; j += W) Isa::store(o + j, Isa::load(vec + j));
                          for (; j < len; ++j) o[j] = vec[j];
                        } else if (cv != cv) {  // fmin_nan / fmax_nan(NaN, x) = x
@@ -24,8 +26,10 @@ inline void fill_per_element(const CodecDesc& c, const TensorDesc& t, const floa
                        } else {  // cv is a number: one min/max that yields cv for a NaN x
                          const F v(cv);               // (scales and reciprocals are never -0)
                          if (use_min) {
+#pragma GCC unroll 4
                            for (; j + W <= len; j += W) Isa::store(o + j, Isa::min_or(Isa::load(vec + j), v));
                          } else {
+#pragma GCC unroll 4
                            for (; j + W <= len; j += W) Isa::store(o + j, Isa::max_or(Isa::load(vec + j), v));
                          }
                          for (; j < len; ++j) o[j] = use_min ? fmin_nan(cv, vec[j]) : fmax_nan(cv, vec[j]);

@@ -253,9 +253,13 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
 // min(row, col) -> dequantize -> rule -> fold |new| into the row's and the columns' partial
 // maxima. (The generic pass writes the old scales, the new values and re-reads both.) Only state
 // K's new value is used; the other state's math is dead code.
-template <class Rule, int K, int IO>
+// Plain: as in main_loop, the rule's flags checked once (Rule::plain), no branch per vector.
+template <class Rule, int K, int IO, bool Plain = false>
 inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const float* p, const float* g,
                          uint32_t* partial, float* scratch, NextLines& next) {
+  if constexpr (Rule::kHasPlain && !Plain) {
+    if (Rule::plain(t.h, true)) return rank1_reduce<Rule, K, IO, true>(t, start, n, p, g, partial, scratch, next);
+  }
   const StateDesc& st = t.st[K];
   const uint8_t* codes = st.codes + start * st.codec.bits / 8;
   const float* scales = st.scales;
@@ -273,13 +277,14 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
     I row_max(0u);
     NextLines nx = next;  // (a local: the stores to col_max could alias it)
     for (int64_t j = 0; j < len; j += W) {
-      nx.step();  // pass 1 streams the parameter and gradient from memory
+      if (((off + j) & 15) == 0) nx.step();  // pass 1 streams p and g: one line of each per 16 elements
       const F col_j = Isa::load(col_scale + j);
       const F scale = row_nan ? col_j : Isa::min_or(col_j, row_scale);
       F P = Isa::load(p + off + j);
       F S[2] = {F(0.0f), F(0.0f)};
       S[K] = code_value<IO>(in, off + j) * scale;
-      Rule::apply(P, Isa::load(g + off + j), S[0], S[1], h, true);
+      if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + off + j), S[0], S[1], h);
+      else Rule::apply(P, Isa::load(g + off + j), S[0], S[1], h, true);
       const I a = finite_abs_v(S[K]);
       row_max = Isa::max_u(row_max, a);
       Isa::store_i(col_max + j, Isa::max_u(Isa::load_i(col_max + j), a));
