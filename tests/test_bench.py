@@ -171,3 +171,232 @@ def test_many_vs_one_overhead_line():
     assert text.splitlines()[1] == "qconf fused default.yml (float32): 1.50x"
     assert bench.SIZE_GROUPS["all"] == ["big", "many", "one"]
     assert math.prod(bench.SIZES["one"][0]) == sum(math.prod(s) for s in bench.SIZES["many"])
+
+
+# -- --device cuda: everything that runs without a GPU ---------------------------------------------------
+from qconf.bench import device as bench_device  # noqa: E402
+from qconf.bench import measure as bench_measure  # noqa: E402
+from qconf.bench.roster import BASELINE, KERNELS_ENV  # noqa: E402
+from qconf.bench.tables import DEVICE_FORMULA  # noqa: E402
+
+DEVICE_COLUMNS = ["contender", "params", "ms/step", "x fused med", "x fused min", "GB/s", "% copy BW", "rounds",
+                  "state B/param", "peak MiB", "step extra MiB", "note"]
+
+
+def test_device_cuda_without_cuda_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setattr(bench_device.torch.cuda, "is_available", lambda: False)
+    assert cli_main(["bench", "--device", "cuda", "--quiet", "--rounds", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith("qconf bench: error: --device cuda: ")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_step.py"), "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("python benchmarks/bench_step.py: error: --device cuda: ")
+
+
+def test_gpu_size_preset_and_size_defaults(capsys):
+    assert bench.SIZES["gpu"] == [(4096, 2048)] * 64
+    assert sum(math.prod(s) for s in bench.SIZES["gpu"]) == 536_870_912
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    for argv, size in ((["--device", "cuda"], "gpu"), ([], "both"), (["--device", "cuda", "--size", "big"], "big"),
+                       (["--device", "cuda", "--size", "many"], "many")):
+        opts = parser.parse_args(argv)
+        command = bench.cli.canonical_command("qconf bench", opts)
+        assert f"--size {size} " in command
+        assert command.startswith("qconf bench --device cuda ") == ("cuda" in argv)
+        assert ("--rss-steps" in command) == ("cuda" not in argv)  # no RSS subprocesses on a GPU
+    assert cli_main(["bench", "--size", "gpu", "--quiet"]) == 2  # 537M params on the CPU: refused
+    assert capsys.readouterr().err.strip() == "qconf bench: error: --size gpu (537M params) is for --device cuda"
+    assert cli_main(["bench", "--help"]) == 0
+    assert "--device {cpu,cuda}" in capsys.readouterr().out
+
+
+def test_cuda_roster():
+    cpu = {c.key: c for c in bench.contenders()}
+    rows = bench.contenders(device="cuda")
+    keys = [c.key for c in rows]
+    assert "torch-forloop" not in keys and "qconf-reference-default-fp32" not in keys
+    assert {"torch-foreach", BASELINE, "torch-fused-bf16", "torchao-adamw4bit", "torchao-adamw8bit",
+            "bnb-adamw8bit"} <= set(keys)
+    for c in rows:
+        if c.family != "qconf":
+            assert (c.label, c.dtype, c.requires, c.env) == (cpu[c.key].label, cpu[c.key].dtype, cpu[c.key].requires, ())
+            continue
+        special = c.key.endswith("-specialized")
+        assert c.env == ((KERNELS_ENV, "specialized" if special else "generic"),), c.key
+        assert c.label.endswith("(specialized)") == special
+        if special:
+            assert keys[keys.index(c.key) - 1] == c.key.removesuffix("-specialized")  # right after its twin
+        if c.key.endswith(("-sr", "-kahan")):
+            assert c.relative_to == "qconf-fused-default-bf16"  # their cost over plain bf16, as on the CPU
+        elif c.dtype == bench_device.torch.bfloat16:
+            assert c.relative_to == "torch-fused-bf16"
+        else:
+            assert c.relative_to is None
+    special = [k for k in keys if k.endswith("-specialized")]
+    assert len(special) == 6  # 3 configs x fp32 / bf16
+
+
+def test_with_env_switches_the_kernel_choice_per_step(monkeypatch):
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    seen = []
+    step = bench_device.with_env(lambda: seen.append(__import__("os").environ.get(KERNELS_ENV)),
+                                 ((KERNELS_ENV, "specialized"),))
+    step()
+    assert seen == ["specialized"] and KERNELS_ENV not in __import__("os").environ
+    monkeypatch.setenv(KERNELS_ENV, "generic")
+    step()
+    assert seen[-1] == "specialized" and __import__("os").environ[KERNELS_ENV] == "generic"
+    plain = lambda: None  # noqa: E731
+    assert bench_device.with_env(plain, ()) is plain  # no wrapper where nothing is set
+    from qconf import _native
+    if _native.native_available():  # the step reads the variable at every call, as this does
+        choice = bench_device.with_env(_native.cuda_kernels, ((KERNELS_ENV, "specialized"),))
+        assert choice() == "specialized" and _native.cuda_kernels() == "generic"
+
+
+def test_bytes_per_param_moved():
+    f32, bf16 = bench_device.torch.float32, bench_device.torch.bfloat16
+    assert bench_device.bytes_per_param_moved(f32, 8.0) == bench_device.COPY_BYTES_PER_PARAM == 28
+    assert bench_device.bytes_per_param_moved(bf16, 4.0) == 14
+    assert bench_device.bytes_per_param_moved(f32, 0.5) == 13
+
+
+class _FakeDevice:
+    """A clock that only moves when told: ``sync`` (waiting for the device) costs ``sync_ns``, a
+    fake optimizer's step its own ns, the copy nothing beyond its syncs."""
+
+    def __init__(self, sync_ns: int) -> None:
+        self.now, self.sync_ns, self.syncs = 0, sync_ns, 0
+        self.allocated, self.peak = 1000, 1000
+
+    def sync(self) -> None:
+        self.syncs += 1
+        self.now += self.sync_ns
+
+    def backend(self) -> bench_device.Backend:
+        return bench_device.Backend(bench_device.torch.device("cpu"), sync=self.sync, clock=lambda: self.now,
+                                    allocated=lambda: self.allocated, max_allocated=lambda: self.peak,
+                                    reset_peak=lambda: setattr(self, "peak", self.allocated), share_grads=True,
+                                    copy_bytes_per_param=bench_device.COPY_BYTES_PER_PARAM,
+                                    info=lambda: {"name": "Fake GPU", "capability": "sm_90", "memory_gib": 80.0,
+                                                  "cuda": "13.0", "qconf_cuda_kernels": True})
+
+
+def _fake_rows(dev: _FakeDevice, grads_seen: list, write_grads: bool = False) -> list:
+    torch = bench_device.torch
+
+    class FakeOpt:
+        def __init__(self, ps, ns, state_bytes_per_param, extra):
+            self.ps, self.ns, self.extra = ps, ns, extra
+            self.state = {p: {"m": torch.zeros(int(p.numel() * state_bytes_per_param), dtype=torch.uint8)}
+                          for p in ps}
+            grads_seen.append([p.grad for p in ps])
+            dev.peak += 4000  # the build's allocations
+
+        def step(self):
+            dev.now += self.ns
+            dev.peak = max(dev.peak, dev.allocated + self.extra)
+            if write_grads:
+                self.ps[0].grad.add_(1.0)
+
+    def fake(ns, sbpp, extra):
+        return lambda ps: FakeOpt(ps, ns, sbpp, extra)
+    return [bench.Contender(BASELINE, "torch AdamW fused", torch.float32, fake(1000, 8, 300)),
+            bench.Contender("fast", "a fast optimizer", torch.float32, fake(500, 1, 100), family="fake"),
+            bench.Contender("other", "same grads", torch.float32, fake(500, 1, 100), family="fake")]
+
+
+def _fake_opts(rounds: int = 3) -> __import__("argparse").Namespace:
+    return __import__("argparse").Namespace(rounds=rounds, slow_rounds=1, warmup=2, seed=0, quiet=True, rss=True,
+                                            rss_contenders=None)
+
+
+def test_device_timing_with_a_fake_clock():
+    """The CUDA path's timing, copy baseline, bandwidth fractions and memory probes, driven on CPU
+    tensors by a fake clock whose `sync` is the only thing (besides the fake steps) that takes time."""
+    dev, grads_seen = _FakeDevice(sync_ns=100), []
+    res = bench_measure.bench_size("tiny", _fake_rows(dev, grads_seen), _fake_opts(), dev.backend())
+    numel = res["numel"]
+    by_key = {r["key"]: r for r in res["rows"]}
+    assert [r["key"] for r in res["rows"]] == [BASELINE, "fast", "other"]  # the copy is not a row
+    # every timed step: sync, clock, step, sync, clock -> the step's ns + one sync
+    assert by_key[BASELINE]["times_ns"] == [1100] * 3 and by_key["fast"]["times_ns"] == [600] * 3
+    assert by_key["fast"]["ratio_median"] == pytest.approx(600 / 1100)
+    copy = res["copy"]
+    assert copy["bytes"] == 28 * numel and copy["times_ns"] == [100] * 3 and copy["median_ns"] == 100
+    assert copy["gb_per_s"] == pytest.approx(28 * numel / 100)
+    # bytes/step = 2P + G + 2S; fraction = (bytes / time) / (copy bytes / copy time), same round
+    assert by_key[BASELINE]["bytes_per_param_moved"] == 28 and by_key["fast"]["bytes_per_param_moved"] == 14
+    assert by_key[BASELINE]["copy_fraction"] == pytest.approx(100 / 1100)
+    assert by_key["fast"]["copy_fraction"] == pytest.approx((14 / 600) / (28 / 100))
+    assert by_key["fast"]["gb_per_s"] == pytest.approx(14 * numel / 600)
+    # 2 syncs per timed step: 3 contenders x (2 warm-up + 3 rounds) + the copy x (2 + 3)
+    assert dev.syncs == 2 * (3 * 5 + 5)
+    # memory probes: the build's 4000 bytes, and the last warm-up step's own peak
+    assert by_key[BASELINE]["peak_mem_bytes"] == 4000 and by_key[BASELINE]["step_extra_bytes"] == 300
+    assert by_key["fast"]["step_extra_bytes"] == 100 and "rss" not in by_key["fast"]
+    # one set of gradients per dtype, shared by every contender, and not written
+    assert all(g1 is g2 for g1, g2 in zip(grads_seen[0], grads_seen[1]))
+    assert res["grads_modified"] is False
+
+    text = bench.tables.format_size(res)
+    lines = text.splitlines()
+    header = lines[1]
+    positions = [header.index(c) for c in DEVICE_COLUMNS]
+    assert positions == sorted(positions)
+    base_line = next(ln for ln in lines if ln.startswith("torch AdamW fused  (baseline)"))
+    assert " 9% " in base_line and " 1.00 " in base_line
+    fast_line = next(ln for ln in lines if ln.startswith("a fast optimizer"))
+    assert " 8% " in fast_line and " 0.55 " in fast_line and " 0.001 " in fast_line  # 600 ns = 0.0006 ms
+    assert any(ln.startswith("device copy: ") and "28 B/param" in ln for ln in lines)
+    for formula in DEVICE_FORMULA:
+        assert formula in text
+    assert "cost: " not in text
+
+
+def test_device_timing_flags_written_gradients():
+    dev, grads_seen = _FakeDevice(sync_ns=10), []
+    res = bench_measure.bench_size("tiny", _fake_rows(dev, grads_seen, write_grads=True), _fake_opts(1),
+                                   dev.backend())
+    assert res["grads_modified"] is True
+    assert "warning: a contender wrote to the shared gradients" in bench.tables.format_size(res)
+
+
+def test_device_cuda_end_to_end_on_a_fake_device(tmp_path, capsys, monkeypatch):
+    """`--device cuda` through the CLI, its roster (specialized rows included), tables and JSON, with
+    the CUDA backend replaced by CPU tensors and the real clock."""
+    dev = _FakeDevice(sync_ns=0)
+    fake = dataclasses_replace(dev.backend(), clock=__import__("time").perf_counter_ns, sync=lambda: None)
+    monkeypatch.setattr(bench.cli, "make_backend", lambda device: fake if device == "cuda" else None)
+    out_json = tmp_path / "gpu.json"
+    code = bench.main(["--device", "cuda", "--size", "tiny", "--rounds", "2", "--warmup", "2", "--quiet",
+                       "--contenders", "qconf-fused-group128-fp32*,torch-fused-bf16", "--json", str(out_json)],
+                      prog="qconf bench")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "\ndevice: Fake GPU (sm_90, 80.0 GiB); torch " in out and "CUDA 13.0" in out
+    assert "\ncommand: qconf bench --device cuda --size tiny --rounds 2 " in out
+    result = json.loads(out_json.read_text())
+    assert result["device"] == "cuda" and result["machine"]["gpu"]["name"] == "Fake GPU"
+    assert result["settings"]["rss"] is False
+    res = result["sizes"]["tiny"]
+    keys = [r["key"] for r in res["rows"]]
+    assert keys == ["torch-fused", "torch-fused-bf16", "qconf-fused-group128-fp32",
+                    "qconf-fused-group128-fp32-specialized"]
+    for r in res["rows"]:
+        assert r["status"] == "ok", r
+        assert r["copy_fraction"] > 0 and r["gb_per_s"] > 0 and "peak_mem_bytes" in r
+    assert res["copy"]["bytes"] == 28 * res["numel"]
+    header, *rows = _table_lines(out, "tiny")
+    assert [header.index(c) for c in DEVICE_COLUMNS] == sorted(header.index(c) for c in DEVICE_COLUMNS)
+    assert rows[3].startswith("qconf fused 2nd_moment_group_128.yml (specialized)")
+    assert "ms/step = median over rounds" in out
+
+
+def dataclasses_replace(obj, **kw):
+    return __import__("dataclasses").replace(obj, **kw)

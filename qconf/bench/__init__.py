@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py [--size big|many|both] [--rounds N] [--threads T] [--json out.json]
     qconf bench ...                                   (same options)
+    qconf bench --device cuda                         (on the GPU: 64 x 4096x2048, a device copy in the same rounds)
 
 Every contender gets its own copy of the same parameters and the same fixed gradients. After a
 warm-up (which also absorbs torch.compile time for torchao), the benchmark runs *rounds*: in each
@@ -20,6 +21,7 @@ Modules, each importing only those listed before it:
     roster    Contender, contenders(), the benchmarked configs, select() for --contenders
     tensors   the run's parameters and gradients, state bytes of an optimizer
     rss       the peak-RSS child process and its launcher
+    device    Backend (sync, clock, memory probes) for --device cpu/cuda, the copy baseline, bytes moved
     measure   sizes, warm-up, interleaved timing rounds, ratios, CPU contention, machine info
     tables    the printed report (header, size tables, per-tensor overhead, footer)
     sass      a kernel's cost from its machine code: cuobjdump SASS, the main loop's count, ptxas

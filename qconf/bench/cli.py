@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import cuda_static
+from .device import Backend, make_backend
 from .measure import SIZE_GROUPS, SLOW_FACTOR, bench_size, machine_info
 from .roster import CONFIGS, LR, WEIGHT_DECAY, contenders, default_config_dir, select
 from .rss import CHILD_MALLOC_ENV
@@ -26,24 +27,32 @@ DESCRIPTION = "Optimizer-step benchmark: qconf vs torch.optim.AdamW, torchao and
 
 
 #: the --size values that --help and usage errors list; ``tiny`` (measure.SIZES: 3 small tensors) is
-#: accepted too but not advertised -- it exists for smoke tests, and its percentages mean nothing
+#: accepted too but not advertised -- it exists for smoke tests, and its percentages mean nothing;
+#: ``gpu`` (537M params, --device cuda only) is described in the option's help text
 SIZE_CHOICES = ("big", "many", "one", "both", "all")
+#: the --size of each --device when none is given
+DEFAULT_SIZE = {"cpu": "both", "cuda": "gpu"}
 
 
 def size_choice(text: str) -> str:
-    """``--size`` value: one of :data:`SIZE_CHOICES` (or the unadvertised ``tiny``); an error lists
-    only the advertised choices, as --help does."""
-    if text in SIZE_CHOICES or text == "tiny":
+    """``--size`` value: one of :data:`SIZE_CHOICES` (or ``gpu``, or the unadvertised ``tiny``); an
+    error lists only the choices of the usage line, as --help does."""
+    if text in SIZE_CHOICES or text in ("tiny", "gpu"):
         return text
     raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(SIZE_CHOICES)})")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's options (shared by ``qconf bench`` and ``benchmarks/bench_step.py``)."""
-    p.add_argument("--size", type=size_choice, default="both", metavar="{" + ",".join(SIZE_CHOICES) + "}",
+    p.add_argument("--size", type=size_choice, default=None, metavar="{" + ",".join(SIZE_CHOICES) + "}",
                    help="big = 3 tensors of 4096x1024 (12.6M params); many = 1000 tensors of 4096; one = the same "
-                        "4.1M params as one 1000x4096 tensor; both (default) = big and many; all = big, many, one; "
-                        "one table each")
+                        "4.1M params as one 1000x4096 tensor; both (default on the CPU) = big and many; all = big, "
+                        "many, one; one table each. With --device cuda also gpu = 64 tensors of 4096x2048 (537M "
+                        "params; the default there)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda: time the step on the current GPU (torch.cuda.synchronize around "
+                        "every step), with a device copy of 28 B/param in the same rounds, GB/s, the fraction of "
+                        "the copy's bandwidth and peak GPU memory per row; no RSS subprocesses")
     p.add_argument("--rounds", type=int, default=50, metavar="N",
                    help="interleaved rounds; each times one step of every contender (default 50)")
     p.add_argument("--slow-rounds", type=int, default=7, metavar="N",
@@ -78,13 +87,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def canonical_command(prog: str, opts: argparse.Namespace) -> str:
     """The command with every option explicit (reproduces the run)."""
-    argv = ["--size", opts.size, "--rounds", str(opts.rounds), "--slow-rounds", str(opts.slow_rounds),
-            "--warmup", str(opts.warmup), "--threads", str(opts.threads), "--seed", str(opts.seed)]
+    argv = ["--device", opts.device] if opts.device != "cpu" else []
+    argv += ["--size", opts.size or DEFAULT_SIZE[opts.device], "--rounds", str(opts.rounds),
+             "--slow-rounds", str(opts.slow_rounds), "--warmup", str(opts.warmup), "--threads", str(opts.threads),
+             "--seed", str(opts.seed)]
     if opts.contenders:
         argv += ["--contenders", ",".join(opts.contenders)]
-    if not opts.rss:
+    if opts.device == "cpu" and not opts.rss:  # (no RSS subprocesses on a GPU)
         argv.append("--no-rss")
-    else:
+    elif opts.device == "cpu":
         argv += ["--rss-steps", str(opts.rss_steps)]
         if opts.rss_contenders:
             argv += ["--rss-contenders", ",".join(opts.rss_contenders)]
@@ -98,13 +109,16 @@ def canonical_command(prog: str, opts: argparse.Namespace) -> str:
 
 
 def _check(opts: argparse.Namespace) -> None:
-    """ValueError on counts below 1 and on a config directory without the benchmarked configs;
-    fills in the default ``opts.configs``."""
+    """ValueError on counts below 1, on ``--size gpu`` without ``--device cuda`` and on a config
+    directory without the benchmarked configs; fills in the default ``opts.size`` and ``opts.configs``."""
     for name in ("rounds", "slow_rounds", "threads", "rss_steps"):
         if getattr(opts, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if opts.warmup < 1:
         raise ValueError("--warmup must be >= 1 (state bytes are read after warm-up)")
+    opts.size = opts.size or DEFAULT_SIZE[opts.device]
+    if opts.size == "gpu" and opts.device != "cuda":
+        raise ValueError("--size gpu (537M params) is for --device cuda")
     if opts.configs is None:
         opts.configs = default_config_dir()
     if not Path(opts.configs).is_dir():
@@ -115,21 +129,33 @@ def _check(opts: argparse.Namespace) -> None:
         raise ValueError(f"config(s) {', '.join(missing)} not found in {opts.configs} (pass --configs DIR)")
 
 
+def _machine(threads: int, backend: Backend) -> dict[str, Any]:
+    """:func:`machine_info` plus the GPU's description (``gpu``: None on the CPU)."""
+    info = machine_info(threads)
+    info["gpu"] = backend.info() if backend.info is not None else None
+    return info
+
+
 def run(opts: argparse.Namespace, prog: str = "qconf bench",
         on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the benchmark described by ``opts`` (see :func:`add_arguments`); returns the JSON-ready result.
-    ``on_event("start", result)`` and ``on_event(size, result)`` report progress (for printing)."""
+    ``on_event("start", result)`` and ``on_event(size, result)`` report progress (for printing).
+    ValueError (one line) for bad options and for ``--device cuda`` without CUDA."""
     command = canonical_command(prog, opts)  # before _check fills in the default --configs
     _check(opts)
+    backend = make_backend(opts.device)
     torch.set_num_threads(opts.threads)
-    rows = select(contenders(opts.configs, opts.min_numel), opts.contenders)
+    rows = select(contenders(opts.configs, opts.min_numel, opts.device), opts.contenders)
     sizes = SIZE_GROUPS.get(opts.size, [opts.size])
+    rss = opts.rss and opts.device == "cpu"
+    opts.rss = rss
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
-        "machine": machine_info(opts.threads),
+        "device": opts.device,
+        "machine": _machine(opts.threads, backend),
         "settings": {"rounds": opts.rounds, "slow_rounds": opts.slow_rounds, "slow_factor": SLOW_FACTOR,
-                     "warmup": opts.warmup, "threads": opts.threads, "seed": opts.seed, "rss": opts.rss,
+                     "warmup": opts.warmup, "threads": opts.threads, "seed": opts.seed, "rss": rss,
                      "rss_steps": opts.rss_steps, "min_numel": opts.min_numel, "lr": LR,
                      "weight_decay": WEIGHT_DECAY, "child_malloc_env": CHILD_MALLOC_ENV,
                      "configs": str(opts.configs)},
@@ -138,7 +164,7 @@ def run(opts: argparse.Namespace, prog: str = "qconf bench",
     if on_event is not None:
         on_event("start", result)
     for size in sizes:
-        result["sizes"][size] = bench_size(size, rows, opts)
+        result["sizes"][size] = bench_size(size, rows, opts, backend)
         if on_event is not None:
             on_event(size, result)
     return result
@@ -149,7 +175,7 @@ def execute(opts: argparse.Namespace, prog: str) -> int:
     if opts.cuda_static:
         return cuda_static.run_cli(opts, prog, sorted(Path(opts.configs or default_config_dir()).glob("*.yml")))
     if opts.list:
-        for c in contenders(opts.configs or default_config_dir(), opts.min_numel):
+        for c in contenders(opts.configs or default_config_dir(), opts.min_numel, opts.device):
             print(f"{c.key:30s} {c.label} ({str(c.dtype).replace('torch.', '')})")
         return 0
     def show(event: str, result: dict[str, Any]) -> None:

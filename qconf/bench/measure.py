@@ -7,6 +7,11 @@ each time by the time of torch's fused AdamW (fp32) in the same round. A contend
 median of those per-round ratios, so slow drifts of the machine cancel out; ns/param is the median
 of its own step times. Contenders whose warm-up step is more than :data:`SLOW_FACTOR` times the
 baseline's are timed in fewer, evenly spread rounds.
+
+Every device-specific call goes through a :class:`~qconf.bench.device.Backend` (``--device cpu``
+or ``cuda``): its ``sync`` runs before and after each timed step, its ``clock`` times it. On CUDA
+the rounds also time the device copy (:func:`~qconf.bench.device.copy_step`) as one more
+pseudo-contender, and the warm-up records each contender's peak device memory.
 """
 from __future__ import annotations
 
@@ -19,26 +24,28 @@ import platform
 import random
 import statistics
 import sys
-import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .. import __version__
 from .. import _native  # the native probe loads qconf._C, which registers torch.ops.qconf.cpu_isa
+from .device import COPY_KEY, Backend, bytes_per_param_moved, copy_step, cpu_backend, grads_checksum, with_env
 from .roster import BASELINE, Contender, matches
 from .rss import measure_rss
-from .tensors import copy_for, make_base, state_bytes_per_param
+from .tensors import copy_for, make_base, shared_grads, state_bytes_per_param
 
 #: Parameter shapes per size. ``tiny`` is for smoke tests (not advertised in --help).
 SIZES: dict[str, list[tuple[int, ...]]] = {
     "big": [(4096, 1024)] * 3,          # 12.6M params in 3 tensors
     "many": [(4096,)] * 1000,           # 4.1M params in 1000 tensors (per-tensor overhead)
     "one": [(1000, 4096)],              # the same 4.1M params as one tensor (what `many` is compared to)
+    "gpu": [(4096, 2048)] * 64,         # 537M params in 64 tensors (--device cuda)
     "tiny": [(64, 128), (64, 128), (100,)],
 }
 SIZE_TEXT = {"big": "3 tensors of 4096x1024", "many": "1000 tensors of 4096", "one": "1 tensor of 1000x4096",
+             "gpu": "64 tensors of 4096x2048",
              "tiny": "2 x 64x128 + 1 x 100"}
 #: what --size names: the groups run one after another in one process
 SIZE_GROUPS = {"both": ["big", "many"], "all": ["big", "many", "one"]}
@@ -53,10 +60,24 @@ def one_line(e: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def _timed_step(opt: Any) -> int:
-    t0 = time.perf_counter_ns()
-    opt.step()
-    return time.perf_counter_ns() - t0
+def _timed_step(step: Callable[[], Any], backend: Backend) -> int:
+    """Nanoseconds of one ``step()``, with ``backend.sync()`` before and after it."""
+    backend.sync()
+    t0 = backend.clock()
+    step()
+    backend.sync()
+    return backend.clock() - t0
+
+
+def _last_step(step: Callable[[], Any], backend: Backend) -> tuple[int, int | None]:
+    """One timed step: ``(ns, peak device bytes during it above the bytes allocated before it)``;
+    the peak is None without memory probes (which it resets)."""
+    if not backend.measures_memory:
+        return _timed_step(step, backend), None
+    before = backend.allocated()
+    backend.reset_peak()
+    ns = _timed_step(step, backend)
+    return ns, backend.max_allocated() - before
 
 
 def _spread(k: int, n: int) -> set[int]:
@@ -71,12 +92,17 @@ def _log(opts: argparse.Namespace, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _warm_up(size: str, rows: list[Contender], base: Any, numel: int, opts: argparse.Namespace
-             ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, int]]:
-    """Build every contender on its copy of ``base`` and run the warm-up steps: ``(results, live
-    optimizers, fastest warm-up step ns)``. A contender that cannot run is a row with its error."""
+def _warm_up(size: str, rows: list[Contender], base: Any, numel: int, opts: argparse.Namespace,
+             backend: Backend, grads: dict[torch.dtype, list[torch.Tensor]] | None = None
+             ) -> tuple[dict[str, dict[str, Any]], dict[str, Callable[[], Any]], dict[str, int]]:
+    """Build every contender on its copy of ``base`` (on ``backend.device``; ``grads``: shared
+    gradients per dtype) and run the warm-up steps: ``(results, live steps, fastest warm-up step
+    ns)``. A contender that cannot run is a row with its error. With memory probes, a row's
+    ``peak_mem_bytes`` is the peak allocated during its build and warm-up above what was allocated
+    before (its parameters, states and step temporaries; shared gradients not counted) and
+    ``step_extra_bytes`` the last warm-up step's peak above what was allocated before it."""
     results: dict[str, dict[str, Any]] = {}
-    live: dict[str, Any] = {}
+    live: dict[str, Callable[[], Any]] = {}
     warm_ns: dict[str, int] = {}
     for c in rows:
         r: dict[str, Any] = {"key": c.key, "label": c.label, "dtype": str(c.dtype).replace("torch.", ""),
@@ -86,22 +112,47 @@ def _warm_up(size: str, rows: list[Contender], base: Any, numel: int, opts: argp
             r.update(status="not installed", error=f"{c.requires} is not installed")
             continue
         _log(opts, f"[{size}] {c.key}: build + {opts.warmup} warm-up steps")
+        before = backend.allocated() if backend.measures_memory else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                opt = c.build(copy_for(base, c.dtype))
-                times = [_timed_step(opt) for _ in range(opts.warmup)]
+                opt, step, times, peak, step_extra = _build_and_warm(c, base, opts.warmup, backend, grads)
         except Exception as e:  # a contender that cannot run here is a row with its error, not a crash
             r.update(status="error", error=one_line(e))
+            backend.release()
             continue
-        live[c.key] = opt
+        if before is not None:
+            r.update(peak_mem_bytes=peak - before, step_extra_bytes=step_extra)
+        live[c.key] = step
         warm_ns[c.key] = min(times[1:] or times)
         r["state_bytes_per_param"] = state_bytes_per_param(c, opt, numel)
+        if backend.copy_bytes_per_param:
+            r["bytes_per_param_moved"] = bytes_per_param_moved(c.dtype, r["state_bytes_per_param"])
     return results, live, warm_ns
 
 
-def _timed_rounds(size: str, live: dict[str, Any], warm_ns: dict[str, int], results: dict[str, dict[str, Any]],
-                  opts: argparse.Namespace) -> tuple[dict[str, list[int | None]], dict[str, float] | None]:
+def _build_and_warm(c: Contender, base: Any, warmup: int, backend: Backend,
+                    grads: dict[torch.dtype, list[torch.Tensor]] | None
+                    ) -> tuple[Any, Callable[[], Any], list[int], int | None, int | None]:
+    """Build ``c`` (inside its ``env``) and run its warm-up: ``(optimizer, step, times, peak device
+    bytes allocated during the build and warm-up, the last warm-up step's extra device bytes)``;
+    both None without memory probes."""
+    if backend.measures_memory:
+        backend.reset_peak()
+    own_grads = grads.get(c.dtype) if grads else None
+    opt = with_env(lambda: c.build(copy_for(base, c.dtype, backend.device, own_grads)), c.env)()
+    step = with_env(opt.step, c.env)
+    times = [_timed_step(step, backend) for _ in range(warmup - 1)]
+    peak = backend.max_allocated() if backend.measures_memory else None
+    last, step_extra = _last_step(step, backend)
+    if peak is not None:
+        peak = max(peak, backend.max_allocated())
+    return opt, step, times + [last], peak, step_extra
+
+
+def _timed_rounds(size: str, live: dict[str, Callable[[], Any]], warm_ns: dict[str, int],
+                  results: dict[str, dict[str, Any]], opts: argparse.Namespace, backend: Backend
+                  ) -> tuple[dict[str, list[int | None]], dict[str, float] | None]:
     """The interleaved rounds: ``(step ns per contender and round (None: not timed), CPU contention)``.
     Slow contenders run in :func:`_spread` rounds only; the order within a round is shuffled."""
     rounds = opts.rounds
@@ -125,7 +176,7 @@ def _timed_rounds(size: str, live: dict[str, Any], warm_ns: dict[str, int], resu
                 if results[key]["status"] != "ok":
                     continue
                 try:
-                    times[key][i] = _timed_step(live[key])
+                    times[key][i] = _timed_step(live[key], backend)
                 except Exception as e:
                     results[key].update(status="error", error=one_line(e))
     finally:
@@ -160,17 +211,62 @@ def _summarize(rows: list[Contender], times: dict[str, list[int | None]], result
             results[c.key].update(relative_to=c.relative_to, ratio_vs_relative=statistics.median(rel))
 
 
-def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace) -> dict[str, Any]:
-    """Time and measure every contender of ``rows`` on one size; returns the JSON-ready result."""
+def _copy_summary(results: dict[str, dict[str, Any]], times: dict[str, list[int | None]], nbytes: int,
+                  numel: int) -> dict[str, Any] | None:
+    """Pop the device copy's row out of ``results``; add each row's bandwidth and its fraction of
+    the copy's, per round: ``(row bytes / row time) / (copy bytes / copy time in the same round)``,
+    the median over rounds. Returns the copy's summary (None when it was not timed)."""
+    r = results.pop(COPY_KEY, None)
+    copy_times = times.pop(COPY_KEY, None)
+    if r is None or copy_times is None or r.get("ns_per_param") is None:
+        return None
+    median_ns = r["ns_per_param"] * numel
+    for row in results.values():
+        moved = row.get("bytes_per_param_moved")
+        if moved is None or row.get("ns_per_param") is None:
+            continue
+        row["gb_per_s"] = moved / row["ns_per_param"]  # bytes/ns = GB/s
+        fractions = [(moved * numel / t) / (nbytes / b) for t, b in zip(times[row["key"]], copy_times) if t and b]
+        if fractions:
+            row["copy_fraction"] = statistics.median(fractions)
+    return {"bytes": nbytes, "times_ns": copy_times, "median_ns": median_ns, "gb_per_s": nbytes / median_ns,
+            "ratio_median": r.get("ratio_median")}
+
+
+def _start_copy(numel: int, backend: Backend, results: dict[str, dict[str, Any]],
+                live: dict[str, Callable[[], Any]], warm_ns: dict[str, int]) -> int:
+    """Add the device copy to the rounds (``backend.copy_bytes_per_param`` B/param); its bytes per step."""
+    step, nbytes = copy_step(numel, backend)
+    results[COPY_KEY] = {"key": COPY_KEY, "label": "device copy", "dtype": "uint8", "family": "copy",
+                         "status": "ok", "error": None}
+    live[COPY_KEY] = step
+    warm_ns[COPY_KEY] = min(_timed_step(step, backend) for _ in range(2))
+    return nbytes
+
+
+def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace,
+               backend: Backend | None = None) -> dict[str, Any]:
+    """Time and measure every contender of ``rows`` on one size on ``backend`` (default: the CPU);
+    returns the JSON-ready result."""
+    backend = backend or cpu_backend()
     shapes = SIZES[size]
     numel = sum(math.prod(s) for s in shapes)
-    results, live, warm_ns = _warm_up(size, rows, make_base(shapes, opts.seed), numel, opts)
-    times, contention = _timed_rounds(size, live, warm_ns, results, opts)
+    base = make_base(shapes, opts.seed)
+    grads = shared_grads(base, [c.dtype for c in rows], backend.device) if backend.share_grads else None
+    checksum = grads_checksum(grads) if grads else None
+    results, live, warm_ns = _warm_up(size, rows, base, numel, opts, backend, grads)
+    nbytes = _start_copy(numel, backend, results, live, warm_ns) if backend.copy_bytes_per_param else 0
+    times, contention = _timed_rounds(size, live, warm_ns, results, opts, backend)
     _summarize(rows, times, results, numel)
+    copy = _copy_summary(results, times, nbytes, numel) if nbytes else None
+    modified = grads is not None and grads_checksum(grads) != checksum
     live.clear()
+    del grads
     gc.collect()
+    backend.release()
+    extra = {"device": backend.device.type, "copy": copy, "grads_modified": modified} if nbytes else {}
 
-    if opts.rss:
+    if opts.rss and not backend.measures_memory:  # a device reports its own peak memory instead
         for c in rows:
             r = results[c.key]
             if r["status"] != "ok" or (opts.rss_contenders and not matches(c.key, opts.rss_contenders)):
@@ -179,7 +275,7 @@ def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace) -> di
             r["rss"] = measure_rss(c, shapes, opts)
     return {"size": size, "shapes": SIZE_TEXT[size], "tensors": len(shapes), "numel": numel, "rounds": opts.rounds,
             "other_cpu": contention,
-            "slow_rounds": min(opts.slow_rounds, opts.rounds), "rows": [results[c.key] for c in rows]}
+            "slow_rounds": min(opts.slow_rounds, opts.rounds), "rows": [results[c.key] for c in rows], **extra}
 
 
 def _cpu_snapshot() -> tuple[int, int, int, float] | None:

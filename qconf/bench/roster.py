@@ -4,6 +4,13 @@ they load and the selection of rows by ``--contenders``.
 A contender is one table row: how to build its optimizer on a list of parameters, the parameter
 dtype, and which optional package it needs. The baseline every ratio is taken against is
 :data:`BASELINE`, torch's fused AdamW on fp32 parameters.
+
+``contenders(device="cuda")`` is the GPU roster: the same rows without the for-loop and the
+reference path (slow and memory-hungry at 537M parameters), every qconf row pinned to the generic
+CUDA kernels, plus a ``(specialized)`` row per fused config and dtype that sets
+``QCONF_CUDA_KERNELS=specialized`` around its build and steps (the step reads the variable at
+every call, so both kernels run in one process); its bf16 qconf rows also report their cost over
+torch fused bf16.
 """
 from __future__ import annotations
 
@@ -22,6 +29,10 @@ from ..config.builtin import builtin_dir
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
 BASELINE = "torch-fused"
+#: the environment variable choosing qconf's CUDA kernels (read by the step at every call)
+KERNELS_ENV = "QCONF_CUDA_KERNELS"
+#: rows the GPU roster leaves out (slow and memory-hungry at 537M parameters)
+CPU_ONLY = ("torch-forloop", "qconf-reference-default-fp32")
 #: qconf configs benchmarked, with the short name used in contender keys
 CONFIGS = {"default.yml": "default", "2nd_moment_group_128.yml": "group128", "8bit.yml": "8bit"}
 
@@ -38,6 +49,8 @@ class Contender:
     family: str = "torch"
     #: also report this row's per-round time ratio to the row with this key (its cost over that row)
     relative_to: str | None = None
+    #: environment variables set around this row's build and every step (qconf's CUDA kernel choice)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 def _qconfig(path: Path, min_numel: int | None) -> Any:
@@ -52,8 +65,35 @@ def _qconfig(path: Path, min_numel: int | None) -> Any:
     return data
 
 
-def contenders(config_dir: str | os.PathLike | None = None, min_numel: int | None = None) -> list[Contender]:
-    """Every contender, in table order (the baseline, torch fused fp32, is ``BASELINE``)."""
+def contenders(config_dir: str | os.PathLike | None = None, min_numel: int | None = None,
+               device: str = "cpu") -> list[Contender]:
+    """Every contender on ``device`` (``cpu`` or ``cuda``: :func:`cuda_rows`), in table order (the
+    baseline, torch fused fp32, is ``BASELINE``)."""
+    rows = _cpu_rows(config_dir, min_numel)
+    return cuda_rows(rows) if device == "cuda" else rows
+
+
+def cuda_rows(rows: list[Contender]) -> list[Contender]:
+    """The GPU roster from the CPU one: :data:`CPU_ONLY` dropped, qconf rows pinned to the generic
+    kernels, a ``(specialized)`` twin after each plain fused qconf row, bf16 qconf rows without a
+    ``relative_to`` compared with torch fused bf16."""
+    out = []
+    for c in rows:
+        if c.key in CPU_ONLY:
+            continue
+        if c.family != "qconf":
+            out.append(c)
+            continue
+        rel = c.relative_to or ("torch-fused-bf16" if c.dtype == torch.bfloat16 else None)
+        out.append(dataclasses.replace(c, relative_to=rel, env=((KERNELS_ENV, "generic"),)))
+        if c.relative_to is None:  # a plain config row (not the SR / Kahan variants)
+            out.append(dataclasses.replace(c, key=f"{c.key}-specialized", label=f"{c.label} (specialized)",
+                                           relative_to=rel, env=((KERNELS_ENV, "specialized"),)))
+    return out
+
+
+def _cpu_rows(config_dir: str | os.PathLike | None, min_numel: int | None) -> list[Contender]:
+    """The CPU roster (every contender), in table order."""
     cdir = Path(config_dir) if config_dir is not None else default_config_dir()
     f32, bf16 = torch.float32, torch.bfloat16
 

@@ -44,8 +44,68 @@ def _size_footnotes(res: dict[str, Any], slow: bool, methods: set[str]) -> list[
     return out
 
 
+#: the device table's formula lines (printed under every --device cuda table)
+DEVICE_FORMULA = (
+    "GB/s = bytes/step / median step time; bytes/step = params x (2P + G + 2S): read p, g and the states, write p "
+    "and the states once (P, G = param and grad bytes: 4 fp32, 2 bf16; S = state B/param), the least a step "
+    "moves (28 B/param for torch fused AdamW fp32).",
+    "% copy BW = median over rounds of (bytes/step / step time) / (copy bytes / copy time in the same round).")
+
+
+def _fmt_gbps(x: float | None) -> str:
+    return "" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
+
+
+def _mib(x: int | None) -> str:
+    return "" if x is None else f"{x / 2**20:,.0f}"
+
+
+def _device_row(r: dict[str, Any], rounds: int, numel: int) -> list[str]:
+    """One row of the device table."""
+    ok = r["status"] == "ok"
+    ms = r.get("ns_per_param")
+    frac = r.get("copy_fraction")
+    timed = r.get("rounds_timed")
+    return [r["label"] + ("  (baseline)" if r["key"] == BASELINE else ""), r["dtype"],
+            "" if ms is None else f"{ms * numel / 1e6:.3f}",
+            _fmt(r.get("ratio_median"), ".2f"), _fmt(r.get("ratio_min"), ".2f"), _fmt_gbps(r.get("gb_per_s")),
+            "" if frac is None else f"{100 * frac:.0f}%",
+            f"{timed}{'*' if timed is not None and timed < rounds else ''}" if ok else "",
+            _fmt(r.get("state_bytes_per_param"), ".3f"), _mib(r.get("peak_mem_bytes")),
+            _mib(r.get("step_extra_bytes")), r["error"] or ""]
+
+
+def format_device_size(res: dict[str, Any]) -> str:
+    """One size's table on a device (``--device cuda``): ms/step, ratios, GB/s, % of the device
+    copy's bandwidth, state bytes, peak device memory; the copy line and the formulas under it."""
+    head = (f"== {res['size']}: {res['shapes']} = {res['numel']:,} params; {res['rounds']} rounds; "
+            f"ratios = median (min) over rounds of step time / torch AdamW fused fp32 step time in the same round ==")
+    headers = ["contender", "params", "ms/step", "x fused med", "x fused min", "GB/s", "% copy BW", "rounds",
+               "state B/param", "peak MiB", "step extra MiB", "note"]
+    rows = res["rows"]
+    body = [_device_row(r, res["rounds"], res["numel"]) for r in rows]
+    slow = any(r["status"] == "ok" and (r.get("rounds_timed") or res["rounds"]) < res["rounds"] for r in rows)
+    out = [head, format_table(headers, body, align="llrrrrrrrrrl")]
+    copy = res.get("copy")
+    if copy is not None:
+        out.append(f"device copy: {_fmt_gbps(copy['gb_per_s'])} GB/s (dst.copy_(src) of {copy['bytes'] // 2:,} bytes: "
+                   f"{copy['bytes']:,} bytes read + written = 28 B/param; median {copy['median_ns'] / 1e6:.3f} ms, "
+                   "timed in the same rounds)")
+    else:
+        out.append("device copy: not timed")
+    out += list(DEVICE_FORMULA)
+    out.append("peak MiB = peak allocated during build + warm-up above what was allocated before (parameters, "
+               "states, step temporaries; the shared gradients not counted); step extra MiB = the last warm-up "
+               "step's peak above what was allocated before it.")
+    if res.get("grads_modified"):
+        out.append("warning: a contender wrote to the shared gradients; rows timed after it stepped on other gradients.")
+    return "\n".join(out + _size_footnotes(res, slow, set()))
+
+
 def format_size(res: dict[str, Any]) -> str:
-    """One size's table plus footnotes."""
+    """One size's table plus footnotes (a device run's: :func:`format_device_size`)."""
+    if "copy" in res:
+        return format_device_size(res)
     head = (f"== {res['size']}: {res['shapes']} = {res['numel']:,} params; {res['rounds']} rounds; "
             f"ratios = median (min) over rounds of step time / torch AdamW fused fp32 step time in the same round ==")
     headers = ["contender", "params", "ns/param", "x fused med", "x fused min", "rounds", "state B/param",
@@ -79,8 +139,13 @@ def format_header(result: dict[str, Any]) -> str:
     lines = [f"qconf optimizer-step benchmark, {result['date']}",
              f"machine: {m['cpu']} ({m['cpus']} CPUs), qconf ISA {m['qconf_isa']} "
              f"(torch capability {m['torch_cpu_capability']}), threads {m['threads']}; torch {m['torch']}, "
-             f"qconf {m['qconf']}, {ext}, Python {m['python']}",
-             f"command: {result['command']}"]
+             f"qconf {m['qconf']}, {ext}, Python {m['python']}"]
+    gpu = m.get("gpu")
+    if gpu is not None:
+        lines.append(f"device: {gpu['name']} ({gpu['capability']}, {gpu['memory_gib']:.1f} GiB); torch {m['torch']}, "
+                     f"CUDA {gpu['cuda']}; qconf CUDA kernels {'built' if gpu['qconf_cuda_kernels'] else 'NOT built'}; "
+                     "qconf rows run QCONF_CUDA_KERNELS=generic, '(specialized)' rows =specialized")
+    lines.append(f"command: {result['command']}")
     if result["settings"]["min_numel"] is not None:
         lines.append(f"qconf configs with min_numel overridden to {result['settings']['min_numel']}")
     return "\n".join(lines)
@@ -88,6 +153,10 @@ def format_header(result: dict[str, Any]) -> str:
 
 def format_footer(result: dict[str, Any]) -> str:
     """The closing paragraph: what ns/param, state B/param and (when measured) peak extra RSS mean."""
+    if result.get("device", "cpu") != "cpu":
+        return ("ms/step = median over rounds of one step's time, torch.cuda.synchronize() before and after it. "
+                "state B/param = optimizer-state tensors after warm-up (step counters excluded). Gradients are "
+                "shared by the rows of one dtype.")
     text = ("ns/param = median step time / params. state B/param = optimizer-state tensors after warm-up "
             "(step counters excluded).")
     if result["settings"]["rss"]:

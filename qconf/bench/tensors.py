@@ -6,7 +6,7 @@ excluded; qconf: :func:`qconf.memory_report`).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -23,14 +23,23 @@ def make_base(shapes: Sequence[tuple[int, ...]], seed: int) -> tuple[list[torch.
     return params, grads
 
 
-def copy_for(base: tuple[list[torch.Tensor], list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """A contender's own parameters (leaf tensors in ``dtype``) with their own gradient copies."""
+def copy_for(base: tuple[list[torch.Tensor], list[torch.Tensor]], dtype: torch.dtype,
+             device: torch.device | None = None, grads: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """A contender's own parameters (leaf tensors in ``dtype`` on ``device``, default the CPU) with
+    their own gradient copies, or with ``grads`` (shared between contenders: :func:`shared_grads`)."""
     out = []
-    for p0, g0 in zip(*base):
-        p = p0.to(dtype, copy=True).requires_grad_(True)
-        p.grad = g0.to(dtype, copy=True)
+    for i, (p0, g0) in enumerate(zip(*base)):
+        p = p0.to(device=device, dtype=dtype, copy=True).requires_grad_(True)
+        p.grad = grads[i] if grads is not None else g0.to(device=device, dtype=dtype, copy=True)
         out.append(p)
     return out
+
+
+def shared_grads(base: tuple[list[torch.Tensor], list[torch.Tensor]], dtypes: Iterable[torch.dtype],
+                 device: torch.device) -> dict[torch.dtype, list[torch.Tensor]]:
+    """One set of gradients per dtype on ``device``, shared by every contender of that dtype (on a
+    GPU, one copy per contender would not fit beside the states at 537M parameters)."""
+    return {dtype: [g0.to(device=device, dtype=dtype, copy=True) for g0 in base[1]] for dtype in dict.fromkeys(dtypes)}
 
 
 def _tensor_storages(t: Any) -> list[torch.Tensor]:
