@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qconf._table import format_table
+from qconf.bench.device import cuda_unavailable_reason
 from qconf.nn import BitLinear
 from qconf.nn import bitlinear as bl
 from qconf.memory import saved_bytes
@@ -309,10 +310,9 @@ def gpu_table(shapes: list[tuple[int, int, int]], reps: int, input_dtype: torch.
 
 def run_gpu(args: argparse.Namespace, p: argparse.ArgumentParser) -> dict:
     """The CUDA section: checks CUDA, prints the device and the table."""
-    if not torch.cuda.is_available():
-        build = f"built with CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        p.error(f"--device cuda: CUDA is not available here (torch {torch.__version__}, {build}); run it on a "
-                "machine with an NVIDIA GPU")
+    reason = cuda_unavailable_reason()
+    if reason is not None:
+        p.error(f"{reason}; run it on a machine with an NVIDIA GPU")
     input_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.input_dtype]
     shapes = _shapes(args.shapes or GPU_SHAPES)
     name = torch.cuda.get_device_name()

@@ -176,10 +176,7 @@ class Codec:
         (:mod:`qconf.optim.sharded`)."""
         x32 = _as_fp32(x)
         scales = self._scales(x32, scales)
-        r = expand_reciprocals(scales, tuple(x32.shape), self.scale, self.group_size)
-        n = x32 * r
-        n = torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)  # r = inf <=> scale 0
-        return n, scales
+        return normalize_values(x32, expand_reciprocals(scales, tuple(x32.shape), self.scale, self.group_size)), scales
 
     def _scales(self, x32: torch.Tensor, scales: torch.Tensor | None, native_rows: bool = False) -> torch.Tensor:
         """x32's own stored scales, or the given ``scales`` after checking their dtype and count;
@@ -311,6 +308,13 @@ def _check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     return backend
+
+
+def normalize_values(x32: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x32 * r`` (``r``: the reciprocals of the scales, broadcasting to ``x32``), with 0 where
+    the scale is 0 (``r = inf``) or the product is NaN: what :meth:`Codec.normalize` returns."""
+    n = x32 * r
+    return torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)
 
 
 def _as_fp32(x: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,11 @@ def floor_scales(m: torch.Tensor) -> torch.Tensor:
     return torch.where((m > 0) & (m < FLT_MIN), torch.full_like(m, FLT_MIN), m)
 
 
+def apply_min_scale(scales: torch.Tensor, min_scale: float) -> torch.Tensor:
+    """``max(scales, fp32(min_scale))`` (a ``torch.clamp``); ``min_scale = 0`` leaves them as they are."""
+    return scales.clamp(min=min_scale) if min_scale > 0 else scales
+
+
 def _per_dim(x: torch.Tensor, d: int, stat=_absmax) -> torch.Tensor:
     """R_d(x): the statistic over every index except dimension ``d``; shape ``(x.shape[d],)``."""
     rows = x.movedim(d, 0).reshape(x.shape[d], -1)
@@ -164,7 +169,7 @@ def compute_scales(x: torch.Tensor, scale: str, group_size: int, statistic: str 
         out = _absmax(padded.view(-1, group_size), dim=1)
     else:
         out = torch.cat([_per_dim(x, d) for d in range(x.dim())])
-    return out.clamp(min=min_scale) if min_scale > 0 else out
+    return apply_min_scale(out, min_scale)
 
 
 def expand_scales(scales: torch.Tensor, shape: tuple[int, ...], scale: str, group_size: int) -> torch.Tensor:

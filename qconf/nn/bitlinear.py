@@ -140,11 +140,7 @@ def rescale_(acc: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor, 
              activation_codec: Codec, weight_codec: Codec) -> torch.Tensor:
     """Step 3 of the forward, in place: fp32 ``acc [M, N]`` (the integer product) becomes
     ``acc / fp32(fx * fw) (+ b)`` (no new buffer: a fresh [M, N] one costs its page faults)."""
-    factors = _factors(x_scales, w_scales, activation_codec, weight_codec)
-    if bias is None:
-        return acc.div_(factors)
-    # b + A / f: the same two roundings, one pass
-    return torch.addcdiv(bias.to(torch.float32), acc, factors, out=acc)
+    return _rescale_into(acc, _factors(x_scales, w_scales, activation_codec, weight_codec), bias, acc)
 
 
 def _factors(x_scales: torch.Tensor, w_scales: torch.Tensor, activation_codec: Codec,
@@ -160,13 +156,15 @@ def _uses_fused_int_mm(x_levels: torch.Tensor, w_levels: torch.Tensor, weight_co
     return not _uses_ternary_mm(x_levels, _mrq(weight_codec)) and _uses_int_mm(x_levels, w_levels)
 
 
-def _rescale_int32_into(acc: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None,
-                        out: torch.Tensor) -> torch.Tensor:
-    """Step 3 from ``torch._int_mm``'s int32 ``acc [M, N]`` in one pass into ``out [M, N]`` (any float
-    dtype): ``fp32(A) / f (+ b)`` in fp32 -- the int32 -> fp32 conversion and the two roundings of
-    :func:`rescale_` -- then rounded once to out's dtype, the same bits as the fp32 result cast."""
+def _rescale_into(acc: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None,
+                  out: torch.Tensor) -> torch.Tensor:
+    """Step 3 in one pass into ``out [M, N]``: ``fp32(A) / f (+ b)`` in fp32 from the product ``acc
+    [M, N]`` (fp32, or ``torch._int_mm``'s int32: converted to fp32 first, as step 2 converts it),
+    then rounded once to out's
+    dtype -- the same bits as the fp32 result cast. ``out`` may be ``acc`` itself (fp32: in place)."""
     if bias is None:
         return torch.div(acc, factors, out=out)
+    # b + A / f: the same two roundings, one pass
     return torch.addcdiv(bias.to(torch.float32), acc, factors, out=out)
 
 
@@ -184,7 +182,7 @@ def quantized_forward(x: torch.Tensor, w_levels: torch.Tensor, w_scales: torch.T
         if _uses_fused_int_mm(x_levels, w_levels, weight_codec):
             y = torch.empty(*x.shape[:-1], n, dtype=dtype, device=x.device)
             factors = _factors(x_scales, w_scales, activation_codec, weight_codec)
-            _rescale_int32_into(torch._int_mm(x_levels, w_levels.t()), factors, bias, y.view(-1, n))
+            _rescale_into(torch._int_mm(x_levels, w_levels.t()), factors, bias, y.view(-1, n))
             return y, x_levels, x_scales
         y = torch.empty(*x.shape[:-1], n, dtype=torch.float32, device=x.device)
         bit_linear_product(x_levels, x_scales, w_levels, w_scales, bias, activation_codec, weight_codec,

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..codec import Codec, QTensor, packing
-from ..codec.scales import _absmax, _finite_abs, floor_scales
+from ..codec.codec import normalize_values
+from ..codec.scales import _finite_abs, apply_min_scale, compute_scales, floor_scales
 
 __all__ = ["RangeCodec", "chunk_unit", "chunk_bounds", "read", "write", "chunkable_codec"]
 
@@ -237,16 +238,12 @@ class RangeCodec:
     def finish(self, maxima: torch.Tensor) -> torch.Tensor:
         """Stored scales from the maxima of :meth:`accumulate` (as
         :func:`~qconf.codec.scales.compute_scales`: the FLT_MIN floor, then ``min_scale``)."""
-        out = floor_scales(maxima)
-        return out.clamp(min=self.codec.min_scale) if self.codec.min_scale > 0 else out
+        return apply_min_scale(floor_scales(maxima), self.codec.min_scale)
 
     def group_scales(self, x: torch.Tensor) -> torch.Tensor:
         """The stored scales of the blocks of a range (``x``, starting on a block boundary)."""
-        g = self.codec.group_size
         flat = x.float() if x.dtype != torch.float32 else x
-        padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % g))
-        out = _absmax(padded.view(-1, g), dim=1)
-        return out.clamp(min=self.codec.min_scale) if self.codec.min_scale > 0 else out
+        return compute_scales(flat, "group", self.codec.group_size, "absmax", self.codec.min_scale)
 
     def encode(self, q: QTensor, x: torch.Tensor, a: int, b: int, scales: torch.Tensor, where: Any,
                noise: torch.Tensor | None) -> None:
@@ -254,10 +251,7 @@ class RangeCodec:
         or for ``group`` those of the range's blocks) into ``q.codes`` in place, as
         :meth:`Codec.encode` does (``n = x * r``, a zero scale or NaN giving 0, then the table
         rounding)."""
-        x32 = x.to(torch.float32)
-        r = self.expand(1.0 / scales, a, b, where, torch.fmax)
-        n = x32 * r
-        n = torch.where(torch.isinf(r) | torch.isnan(n), torch.zeros_like(n), n)
+        n = normalize_values(x.to(torch.float32), self.expand(1.0 / scales, a, b, where, torch.fmax))
         codes = self.codec.quantize(n, noise)
         bits = self.codec.bits
         q.codes[a * bits // 8:packing.packed_nbytes(b, bits)] = packing.pack(codes, bits)
