@@ -82,17 +82,20 @@ std::vector<int64_t> key(int64_t seed, int64_t step, int64_t tensor, int64_t str
   return {static_cast<int64_t>(k.k0), static_cast<int64_t>(k.k1)};
 }
 
-// 32 random bits (as int64) and the uniforms of elements offset .. offset + n - 1
+// 32 random bits (as int64), the uniforms and the half_bits (bf16's 16 per element) of elements
+// offset .. offset + n - 1
 std::vector<torch::Tensor> random_bits(int64_t k0, int64_t k1, int64_t offset, int64_t n) {
   const StreamKey k{static_cast<uint32_t>(k0), static_cast<uint32_t>(k1)};
   auto bits = torch::empty({n}, torch::kLong);
   auto u = torch::empty({n}, torch::kFloat);
+  auto half = torch::empty({n}, torch::kLong);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t h = hash_bits(k, static_cast<uint64_t>(offset + i));
     bits.data_ptr<int64_t>()[i] = h;
     u.data_ptr<float>()[i] = uniform01(h);
+    half.data_ptr<int64_t>()[i] = half_bits(k, static_cast<uint64_t>(offset + i));
   }
-  return {bits, u};
+  return {bits, u, half};
 }
 
 // group absmax scales (abs_bits -> scale_from_absmax_bits) and nearest codes of normalize(x, 1/s)
@@ -235,11 +238,28 @@ def test_rng_matches_reference(ext):
         signed = seed - 2**64 if seed >= 2**63 else seed
         key = rng.stream_key(seed, step, tensor, stream)
         assert tuple(ext.key(signed, step, tensor, stream)) == key
-        for offset in (0, 2**32 - 1000):  # crossing the 32-bit boundary of the element index
-            bits, u = ext.random_bits(key[0], key[1], offset, 4096)
+        # crossing the 32-bit boundary of the element index, and (pairs) of the pair index
+        for offset in (0, 1, 2**32 - 1000, 2**33 - 1001):
+            bits, u, half = ext.random_bits(key[0], key[1], offset, 4096)
             assert torch.equal(bits, rng.hash_bits(key, 4096, offset=offset))
+            assert torch.equal(half, rng.pair_halves(key, 4096, offset=offset))
             if offset == 0:
                 assert torch.equal(u, rng.uniform(key, 4096))
+
+
+def test_pair_halves_split_one_hash_between_two_elements():
+    """bf16's 16 bits per element: element 2q takes the top half of hash q, 2q + 1 its low half,
+    whatever offset a shard starts at."""
+    key = rng.stream_key(5, 2, 1, rng.STREAM_PARAM)
+    h = rng.hash_at(key, torch.arange(100, 150))
+    half = rng.pair_halves(key, 100, offset=200)
+    assert torch.equal(half[0::2] >> 16, h >> 16) and torch.equal(half[1::2] >> 16, h & 0xFFFF)
+    assert torch.equal(half[0::2], h) and not (half[1::2] & 0xFFFF).any()
+    assert torch.equal(rng.pair_halves(key, 99, offset=201), half[1:])
+    # the 16-bit values are uniform: every top byte appears, and the mean is that of 0 .. 2^16 - 1
+    many = rng.pair_halves(key, 1 << 16) >> 16
+    assert torch.unique(many >> 8).numel() == 256
+    assert abs(many.double().mean().item() / 32767.5 - 1.0) < 0.01
 
 
 def test_group_scales_and_nearest_codes_match_encode(ext):

@@ -342,6 +342,39 @@ def test_rng_offset_shard_rounds_bf16_weights_like_the_whole(a):
     assert not torch.equal(before, full.detach()[a:])
 
 
+def _offset_run(offset):
+    """Two steps at rng_offset ``offset`` of a bf16 parameter with stochastic weights and states."""
+    cfg = {"min_numel": 0, "weights": {"rounding": "stochastic"},
+           "states": {"exp_avg": {"group_size": 64, "rounding": "stochastic"},
+                      "exp_avg_sq": {"group_size": 64, "rounding": "stochastic", "map": "power-1", "signed": False}}}
+    p = torch.nn.Parameter((torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 0.5).bfloat16())
+    opt = AdamW([p], lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=True, seed=3)
+    opt.step()  # (creates the states; no gradient yet)
+    for step in range(2):
+        p.grad = _grads([(5000,)], step, torch.bfloat16)[0]
+        plan, hyper = _offset_plan(opt, offset)
+        plan.run(hyper, _signed64(opt._seed))
+    return p.detach().clone(), {k: v for k, v in opt.state[p].items()}
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512vbmi"])
+@pytest.mark.parametrize("offset", [2**32 - 37, 2**33 - 36, 2**33 - 37])
+def test_rng_offsets_across_word_boundaries_give_every_isa_the_scalar_bits(isa, offset, monkeypatch):
+    """Vector lanes whose stream elements (or, for bf16's half hashes, pair indexes) cross a 2^32
+    boundary draw the bits of the scalar path (element.h, checked against qconf.codec.rng)."""
+    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
+    if order.index(isa) > order.index(torch.ops.qconf.cpu_isa_best()):
+        pytest.skip(f"{isa} not supported here")
+    monkeypatch.setenv("QCONF_CPU_ISA", "scalar")
+    want_p, want_state = _offset_run(offset)
+    monkeypatch.setenv("QCONF_CPU_ISA", isa)
+    got_p, got_state = _offset_run(offset)
+    assert torch.equal(got_p.view(torch.int16), want_p.view(torch.int16))
+    for key, v in want_state.items():
+        if isinstance(v, QTensor):
+            assert torch.equal(got_state[key].codes, v.codes) and torch.equal(got_state[key].scales, v.scales), key
+
+
 def test_rng_offset_shard_with_global_maxima_matches_the_whole():
     """A shard x[a:] with rng_offset=a whose tensor-scale states get the whole tensor's maxima (what
     the all-reduce gives FSDP) stores the whole tensor's codes, scales and parameter bits."""

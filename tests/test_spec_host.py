@@ -211,6 +211,8 @@ def _names_of_cases():
     for case in CASES:
         _, opt = _run(case, steps=1)
         names.update(n for n in _spec_names(opt) if not n.startswith("generic"))
+    # bf16 stochastic rounding with a hash per element (shards at odd offsets, PAIR_OFFSETS)
+    names.update(n.replace("-sr-", "-sr.each-") for n in list(names) if "bf16.bf16-sr-" in n)
     return sorted(names)
 
 
@@ -440,6 +442,57 @@ def test_two_pass_launches_keep_their_gradients_within_the_l2_budget(emu):
             assert total <= budget or all(sizes[t[0]] > budget for t in tensors), (name, tensors)
 
 
+def _offset_meta(meta, offsets):
+    """``meta`` with parameter i's random streams starting at element offsets[i] (a shard's)."""
+    meta = meta.clone()
+    meta[:, _native.layout()["meta.rng_offset"]] = torch.tensor(offsets, dtype=meta.dtype)
+    return meta
+
+
+# rng offsets per parameter of SHAPES: even ones take the specialized kernels' one hash per pair;
+# an odd start, or pairs that cross a 2^32 window of pair indexes, the specs with a hash per element
+PAIR_OFFSETS = [2, 2**33 - 6000, 2**32 - 1, 10**6, 3 * 2**32, 1, 2**34 + 7]
+
+
+def test_bf16_stochastic_rounding_follows_the_rng_offset(emu):
+    """bf16 stochastic rounding at shard offsets: the emulated specialized kernels draw each pair's
+    hash as the CPU kernel draws each element's half, bit for bit, odd offsets and 2^33-element
+    boundaries of the stream included."""
+    def run(emulated):
+        params = _params(torch.bfloat16)
+        opt = OPTIMIZERS["adamw"](params, _config("weights_sr"))
+
+        def step(group):
+            plan, grads, hyper, seed = _group_call(opt, group)
+            meta = _offset_meta(plan.meta, PAIR_OFFSETS)
+            args = (plan.rule, plan.params, grads, plan.steps, plan.states, meta, plan.tables, hyper, seed)
+            if not emulated:
+                torch.ops.qconf.fused_step(*args)
+                return
+            generic = emu.step(*args)
+            if generic:
+                sub = _subset(plan, grads, generic)
+                torch.ops.qconf.fused_step(plan.rule, *sub[:4], meta[generic].contiguous(), plan.tables, hyper, seed)
+        opt._fused_step = step
+        for k in range(STEPS):
+            for p, gr in zip(params, _grads(k, torch.bfloat16)):
+                p.grad = gr
+            opt.step()
+        return params, opt
+
+    (want_params, want_opt), (got_params, got_opt) = run(False), run(True)
+    for i, (a, b) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} at offset {PAIR_OFFSETS[i]}"
+    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    plan, grads, hyper, seed = _group_call(want_opt, want_opt.param_groups[0])
+    names = torch.ops.qconf.cuda_specs(plan.rule, plan.params, grads, plan.steps, plan.states,
+                                       _offset_meta(plan.meta, PAIR_OFFSETS), plan.tables, hyper, seed)
+    assert all(".bf16-sr-" in names[i] for i in (0, 3, 4)), names
+    assert all(".bf16-sr.each-" in names[i] for i in (1, 2, 5)), names  # (6: rows of 640, generic)
+
+
 def test_generic_reasons_name_what_is_not_specialized():
     shapes = [(96, 256), (10, 256), (3, 4, 64), (5000,), (64, 64), (64, 128)]
     g = torch.Generator().manual_seed(0)
@@ -485,7 +538,8 @@ def test_the_ahead_of_time_specs_are_those_of_the_common_configs(emu):
 
 def test_spec_names_round_trip_and_bad_names_are_refused():
     for name in ["adam.wd-f32.f32-plain-q4.g128.search-q4.r1.grid-none", "sgd.wpn-bf16.f16-sr+kahan-q8.g8.sr-none-half",
-                 "lion.mw-f16.f16-kahan-fp32-none-q8.g128.lines_s", "adam-f32.f32-plain-none-none-none"]:
+                 "lion.mw-f16.f16-kahan-fp32-none-q8.g128.lines_s", "adam-f32.f32-plain-none-none-none",
+                 "adam.wd-bf16.bf16-sr.each-q4.g128.search-q4.g128.grid-none"]:
         text = torch.ops.qconf.cuda_spec_source(name)
         assert "QCONF_SPEC_KERNELS(QconfSpec)" in text
     for bad, why in [("adam-f32", "is not a spec name"), ("adam.x-f32.f32-plain-none-none-none", "is not a spec name"),
@@ -493,6 +547,7 @@ def test_spec_names_round_trip_and_bad_names_are_refused():
                      ("adam-f32.f32-plain-q4.g100.search-none-none", "groups of 100"),
                      ("sgd-f32.f32-plain-fp32-fp32-none", "one-state rule"),
                      ("adam-f32.f32-sr-fp32-fp32-none", "float32 parameters with low-precision weights"),
-                     ("adam-bf16.bf16-kahan-fp32-fp32-none", "Kahan buffer without Kahan weights")]:
+                     ("adam-bf16.bf16-kahan-fp32-fp32-none", "Kahan buffer without Kahan weights"),
+                     ("adam-f16.f16-sr.each-fp32-fp32-none", r"random bits per element \(sr.each\) without bf16")]:
         with pytest.raises(RuntimeError, match=why):
             torch.ops.qconf.cuda_spec_source(bad)

@@ -456,7 +456,7 @@ __device__ __forceinline__ void store_param_policy(const TensorDesc& t, int64_t 
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     if (j >= cnt) continue;
-    const uint32_t h = sr ? hash_bits(t.pkey, static_cast<uint64_t>(e0 + j)) : 0u;
+    const uint32_t h = sr ? param_bits(t.pkey, static_cast<uint64_t>(e0 + j), bf16) : 0u;
     dst[j] = kahan ? kahan_write(p[j], dst[j], c[j], bf16, sr, h) : round_half(p[j], bf16, sr, h);
   }
   if (kahan) store8(t.comp.values16, t.pdtype, e0, cnt, c);

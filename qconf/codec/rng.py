@@ -8,6 +8,9 @@ not depend on thread count, ISA or the order in which blocks are processed, and 
     h    = mix32(mix32(lo32(i) ^ k0) ^ (hi32(i) + k1))    per element i (uint32 arithmetic)
     u    = (h >> 8) * 2**-24                              in [0, 1), exact in fp32
 
+Consumers of 16 random bits (bf16 stochastic rounding of parameters) take half a hash each:
+element i uses the top half of h(i >> 1) for even i, the low half for odd i (``pair_halves``).
+
 ``mix32`` is the "lowbias32" integer hash (Wellons), a bijection with strong avalanche.
 """
 from __future__ import annotations
@@ -69,12 +72,26 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_bits(key: tuple[int, int], numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
-    """32 random bits per element index ``offset .. offset+numel-1``, as an int64 tensor."""
+def hash_at(key: tuple[int, int], idx: torch.Tensor) -> torch.Tensor:
+    """32 random bits for each stream element index in ``idx`` (int64, non-negative), as int64."""
     k0, k1 = key
-    idx = torch.arange(offset, offset + numel, device=device, dtype=torch.int64)
     h = mix32((idx & MASK32) ^ k0)
     return mix32(h ^ (((idx >> 32) + k1) & MASK32))
+
+
+def hash_bits(key: tuple[int, int], numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
+    """32 random bits per element index ``offset .. offset+numel-1``, as an int64 tensor."""
+    return hash_at(key, torch.arange(offset, offset + numel, device=device, dtype=torch.int64))
+
+
+def pair_halves(key: tuple[int, int], numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:
+    """16 random bits per element index ``i = offset .. offset+numel-1``, in the top half of an
+    int64 tensor's low 32 bits (low half zero for odd ``i``): element ``i`` takes the top half of
+    the hash of stream element ``i >> 1`` when ``i`` is even, its low half when ``i`` is odd. One
+    hash serves two elements; a shard starting at any ``offset`` draws the whole tensor's bits."""
+    idx = torch.arange(offset, offset + numel, device=device, dtype=torch.int64)
+    h = hash_at(key, idx >> 1)
+    return torch.where((idx & 1) == 1, (h << 16) & MASK32, h)
 
 
 def uniform(key: tuple[int, int], numel: int, device: torch.device | str = "cpu", offset: int = 0) -> torch.Tensor:

@@ -133,7 +133,7 @@ class ReferenceSteps:
         Kahan-compensated (the buffer is stored like any state, see :meth:`_store`)."""
         stochastic = plan.weights.rounding == "stochastic"
         offset = 0 if view is None else view.geometry.offset
-        bits = wts.param_bits(self._seed, step, index, t.numel(), t.device, offset) if stochastic else None
+        bits = wts.param_bits(self._seed, step, index, t.dtype, t.numel(), t.device, offset) if stochastic else None
         if p_old is None:
             return wts.round_param(p32, t.dtype, stochastic, bits)
         comp = state["kahan_comp"]
@@ -306,7 +306,7 @@ class _ChunkedStep:
         :meth:`ReferenceSteps._write_param`): a dense Kahan buffer is written (``commit``), a
         quantized one's new values go to ``out``."""
         t, comp = self.t, self.comp
-        bits = (wts.param_bits(self.opt._seed, self.step, self.index, b - a, t.device, a) if self.stochastic
+        bits = (wts.param_bits(self.opt._seed, self.step, self.index, t.dtype, b - a, t.device, a) if self.stochastic
                 else None)
         if p_old is None:
             return wts.round_param(p32, t.dtype, self.stochastic, bits)

@@ -19,7 +19,9 @@
   ``c`` is stored in the parameter's dtype, or quantized with ``weights.compensation_codec``.
 
 Random bits come from the counter-based stream ``(seed, step, parameter index, STREAM_PARAM)``:
-bf16 uses the top 16 bits of each 32-bit hash, fp16 the uniform ``(h >> 8) * 2^-24``.
+bf16 uses 16 bits per element, half of a 32-bit hash (element ``i`` the top half of hash ``i >> 1``
+for even ``i``, the low half for odd ``i``: one hash per two elements), fp16 the uniform
+``(h >> 8) * 2^-24`` of a hash per element.
 """
 from __future__ import annotations
 
@@ -82,10 +84,16 @@ def f16_stochastic(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return _from_bits16(out, torch.float16)
 
 
-def param_bits(seed: int, step: int, index: int, numel: int, device: torch.device, offset: int = 0) -> torch.Tensor:
-    """The 32 random bits per element of a parameter's stream at ``step`` (element indexes
-    ``offset ..``: a shard starting at global element ``offset`` gets the whole tensor's bits)."""
-    return rng.hash_bits(rng.stream_key(seed, step, index, rng.STREAM_PARAM), numel, device, offset)
+def param_bits(seed: int, step: int, index: int, dtype: torch.dtype, numel: int, device: torch.device,
+               offset: int = 0) -> torch.Tensor:
+    """The random bits per element of a ``dtype`` parameter's stream at ``step``, an int64 tensor
+    of ``numel`` uint32 values (element indexes ``offset ..``: a shard starting at global element
+    ``offset`` gets the whole tensor's bits). bf16 uses 16 bits per element, the top half of each
+    value (``rng.pair_halves``: one hash per two elements); fp16 uses a 32-bit hash per element."""
+    key = rng.stream_key(seed, step, index, rng.STREAM_PARAM)
+    if dtype == torch.bfloat16:
+        return rng.pair_halves(key, numel, device, offset)
+    return rng.hash_bits(key, numel, device, offset)
 
 
 def round_param(x: torch.Tensor, dtype: torch.dtype, stochastic: bool, bits: torch.Tensor | None) -> torch.Tensor:

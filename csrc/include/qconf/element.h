@@ -216,18 +216,34 @@ QCONF_HD U hash_pair(U a, U b_folded) {
   return mix32_tail<U>(r ^ b_folded);
 }
 
-// 32 random bits for element i of a tensor: element i + k.offset of its stream.
-QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) {
-  i += k.offset;
-  return hash_pair<uint32_t>(static_cast<uint32_t>(i) ^ k.k0, fold_high<uint32_t>(static_cast<uint32_t>(i >> 32) + k.k1));
+// 32 random bits of stream element g (qconf/codec/rng.py hash_at).
+QCONF_HD uint32_t hash_at(StreamKey k, uint64_t g) {
+  return hash_pair<uint32_t>(static_cast<uint32_t>(g) ^ k.k0, fold_high<uint32_t>(static_cast<uint32_t>(g >> 32) + k.k1));
 }
+
+// 32 random bits for element i of a tensor: element i + k.offset of its stream.
+QCONF_HD uint32_t hash_bits(StreamKey k, uint64_t i) { return hash_at(k, i + k.offset); }
+
+// 16 random bits for element i of a tensor, in the top half (rng.pair_halves): stream element
+// g = i + k.offset takes the top half of hash_at(g >> 1) when g is even, its low half when odd,
+// so one hash serves two elements (bf16 stochastic rounding needs 16 bits).
+QCONF_HD uint32_t half_bits(StreamKey k, uint64_t i) {
+  const uint64_t g = i + k.offset;
+  const uint32_t h = hash_at(k, g >> 1);
+  return (g & 1u) ? h << 16 : h;
+}
+
+// The random bits of element i of a parameter's stream (qconf/optim/weights.py param_bits): for
+// bf16 half_bits, for fp16 hash_bits (its uniform takes 24 bits).
+QCONF_HD uint32_t param_bits(StreamKey k, uint64_t i, bool bf16) { return bf16 ? half_bits(k, i) : hash_bits(k, i); }
 
 // Uniform in [0, 1) with 24-bit resolution (exact in fp32).
 QCONF_HD float uniform01(uint32_t bits) { return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f; }
 
 // ---------------------------------------------------------------------------------------------
 // Writing an fp32 result into a bf16 / fp16 parameter (qconf/optim/weights.py); `h` is the
-// element's 32 random bits of the parameter stream (bf16 SR uses the top 16, fp16 SR a uniform).
+// element's random bits of the parameter stream (param_bits: bf16 SR uses the top 16, fp16 SR a
+// uniform of 24).
 QCONF_HD float half_to_f32(uint16_t v, bool bf16) { return bf16 ? bf16_to_f32(v) : f16_to_f32(v); }
 
 QCONF_HD uint16_t round_half(float x, bool bf16, bool sr, uint32_t h) {

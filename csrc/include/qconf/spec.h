@@ -88,9 +88,14 @@ QCONF_HD int rule_flags(const Scalars& h) {
          (h.has_momentum ? kFlagMomentum : 0) | (h.nesterov ? kFlagNesterov : 0);
 }
 
+// A WEIGHTS bit of the specialized kernels only (beside layout.h's kWeights*): bf16 stochastic
+// rounding that draws a hash per element, not one per pair (spec_octet.h PairStream), for a
+// tensor whose pairs are not aligned in its stream (a shard starting at an odd element).
+constexpr int kWeightsEachElement = 4;
+
 // The whole spec: RULE (RuleId) and FLAGS (RuleFlag bits), PDTYPE / GDTYPE (DType), WEIGHTS
-// (kWeights* bits: stochastic rounding, Kahan compensation into COMP), the states S0 (exp_avg /
-// momentum), S1 (exp_avg_sq) and COMP (the Kahan buffer).
+// (kWeights* bits: stochastic rounding, Kahan compensation into COMP, bits per element), the
+// states S0 (exp_avg / momentum), S1 (exp_avg_sq) and COMP (the Kahan buffer).
 template <int RULE, int FLAGS, int PDTYPE, int GDTYPE, int WEIGHTS, class S0, class S1, class COMP>
 struct Spec {
   using Rule = typename RuleOf<RULE>::type;
@@ -111,6 +116,8 @@ struct Spec {
   static constexpr int kWeights = WEIGHTS;
   static constexpr bool kWeightsSR = (WEIGHTS & kWeightsStochastic) != 0;
   static constexpr bool kKahan = (WEIGHTS & kWeightsKahan) != 0;
+  // bf16 stochastic rounding without Kahan draws one hash per pair of elements
+  static constexpr bool kPairBits = PDTYPE == kBF16 && WEIGHTS == kWeightsStochastic;
   using St0 = S0;
   using St1 = S1;
   using Comp = COMP;
@@ -120,6 +127,8 @@ struct Spec {
   static_assert(kKahan == COMP::kUsed, "the Kahan buffer exists iff the weights compensate");
   static_assert(!COMP::kRank1Scale, "the Kahan buffer uses group scales");
   static_assert(PDTYPE != kF32 || WEIGHTS == 0, "fp32 parameters take the fp32 result as is");
+  static_assert((WEIGHTS & kWeightsEachElement) == 0 || (PDTYPE == kBF16 && WEIGHTS == (kWeightsStochastic | kWeightsEachElement)),
+                "bits per element are an alternative to bf16 stochastic rounding's pairs");
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ void apply(const SpecArgs& a) {
     const Unit u = unit_at(a, ui);
     const SpecTensor& t = a.t[u.tensor];
     const View v = view_of<S>(a, t, u);
-    const Keys keys = stream_keys(a, t);
+    const Keys keys = unit_keys(a, t, v);
     std::vector<UnitSpan> span;
     for (int i = 0; i < kThreads; ++i) span.emplace_back(t, u, v, i);
     std::vector<At> at(kThreads);

@@ -85,14 +85,20 @@ __device__ __forceinline__ void apply_octet(const SpecArgs& a, const SpecLooks<S
   store_states<S, FULL>(tabs, v, keys, at, o, mx);
 }
 
-// The block's current unit: thread 0 writes its View to shared memory, where every iteration reads
-// the streams' pointers when it needs them (a dozen pointers held in registers across the loop
-// would leave too few for the octet). Returns the thread's span of the unit.
+// The block's current unit: thread 0 writes its View (and, for the apply pass, the tensor's
+// random-stream keys) to shared memory, where every iteration reads the streams' pointers and keys
+// when it needs them (a dozen pointers held in registers across the loop would leave too few for
+// the octet; keys held there were recomputed -- four splitmix64 chains -- in every iteration).
+// Returns the thread's span of the unit.
 template <class S>
-__device__ __forceinline__ UnitSpan enter_unit(const SpecArgs& a, const Unit& u, View& shared_view) {
+__device__ __forceinline__ UnitSpan enter_unit(const SpecArgs& a, const Unit& u, View& shared_view,
+                                               Keys* shared_keys = nullptr) {
   const SpecTensor& t = a.t[u.tensor];
   __syncthreads();  // every thread is done with the previous unit's view
-  if (threadIdx.x == 0) shared_view = view_of<S>(a, t, u);
+  if (threadIdx.x == 0) {
+    shared_view = view_of<S>(a, t, u);
+    if (shared_keys != nullptr) *shared_keys = unit_keys(a, t, shared_view);
+  }
   __syncthreads();
   return UnitSpan(t, u, shared_view, threadIdx.x);
 }
@@ -102,13 +108,13 @@ __device__ __forceinline__ void spec_apply_body(const SpecArgs& a) {
   __shared__ SpecTabs<S> tab_store;
   __shared__ uint32_t xchg[6][kThreads / kWarp];
   __shared__ View view;
+  __shared__ Keys keys;
   tab_store.fill(a.tables, threadIdx.x, kThreads);
   __syncthreads();
   const SpecLooks<S> tabs = looks_of(tab_store, a.tables);
   for (int32_t ui = blockIdx.x; ui < a.nunits; ui += gridDim.x) {
     const Unit u = unit_at(a, ui);
-    const UnitSpan span = enter_unit<S>(a, u, view);
-    const Keys keys = stream_keys(a, a.t[u.tensor]);
+    const UnitSpan span = enter_unit<S>(a, u, view, &keys);
     for (int32_t it = 0; it < span.iters; ++it)
       apply_octet<S, true>(a, tabs, view, keys, full_at(span, it, u.rpi), xchg, it & 1);
     if (span.partial) apply_octet<S, false>(a, tabs, view, keys, partial_at(span, u.rpi), xchg, span.iters & 1);

@@ -8,7 +8,8 @@
 //   rule:    adam | sgd | lion; flags: m (maximize), w (weight decay), d (decoupled), p (momentum),
 //            n (Nesterov), in this order
 //   dtypes:  f32 | bf16 | f16
-//   weights: plain | sr | kahan | sr+kahan
+//   weights: plain | sr | kahan | sr+kahan | sr.each (bf16 SR with a hash per element, not per
+//            pair: spec.h kWeightsEachElement)
 //   state:   none | fp32 | half (the Kahan buffer in the parameter's dtype) |
 //            q<bits>.<scale>.<search>: scale g<group> | r1; search: search | grid | lines_u |
 //            lines_s (nearest rounding) or sr (stochastic rounding)
@@ -119,6 +120,14 @@ inline int64_t tile_cols(const TensorDesc& t, std::string& why) {
   return why.empty() ? cols : -1;
 }
 
+// Whether t's bf16 stochastic-rounding bits can be drawn one hash per pair of elements
+// (spec_octet.h PairStream): its stream starts on an even element and its pair indexes lie in one
+// 2^32 window.
+inline bool pairs_aligned(const TensorDesc& t) {
+  const uint64_t first = t.pkey.offset, last = first + static_cast<uint64_t>(t.numel) - 1;
+  return first % 2 == 0 && (first >> 33) == (last >> 33);
+}
+
 // t's SpecKey under `rule`, or the reason the generic kernel runs it. Addresses are checked per
 // call by the driver (spec_plan.h: aligned16).
 inline std::string spec_key(int32_t rule, const TensorDesc& t, SpecKey& key) {
@@ -133,6 +142,7 @@ inline std::string spec_key(int32_t rule, const TensorDesc& t, SpecKey& key) {
   key.pdtype = t.pdtype;
   key.gdtype = t.gdtype;
   key.weights = (t.w_stochastic ? kWeightsStochastic : 0) | (t.w_kahan ? kWeightsKahan : 0);
+  if (key.pdtype == kBF16 && key.weights == kWeightsStochastic && !pairs_aligned(t)) key.weights |= kWeightsEachElement;
   for (int k = 0; k < 2; ++k) {
     why = state_key(t.st[k], cols, key.st[k]);
     if (!why.empty()) return (k == 0 ? "exp_avg: " : "exp_avg_sq: ") + why;
@@ -151,6 +161,11 @@ inline const char* near_word(int32_t n) {
   return n == kNearGrid ? "grid" : n == kNearLinesUnsigned ? "lines_u" : n == kNearLinesSigned ? "lines_s" : "search";
 }
 
+inline const char* weights_word(int32_t w) {
+  static const char* const kWords[] = {"plain", "sr", "kahan", "sr+kahan"};
+  return w == (kWeightsStochastic | kWeightsEachElement) ? "sr.each" : kWords[w & 3];
+}
+
 inline std::string state_name(const StateKey& k) {
   if (k.kind == kNone) return "none";
   if (k.kind == kFp32) return "fp32";
@@ -167,8 +182,7 @@ inline std::string spec_name(const SpecKey& k) {
     for (int b = 0; b < 5; ++b)
       if (k.flags & (1 << b)) rule += kFlagLetters[b];
   }
-  const char* weights[] = {"plain", "sr", "kahan", "sr+kahan"};
-  return rule + "-" + dtype_word(k.pdtype) + "." + dtype_word(k.gdtype) + "-" + weights[k.weights & 3] + "-" +
+  return rule + "-" + dtype_word(k.pdtype) + "." + dtype_word(k.gdtype) + "-" + weights_word(k.weights) + "-" +
          state_name(k.st[0]) + "-" + state_name(k.st[1]) + "-" + state_name(k.st[2]);
 }
 
@@ -242,7 +256,9 @@ inline bool parse_spec(const std::string& name, SpecKey& k) {
   if (dt.size() != 2 || (k.pdtype = word_index(dt[0], {"f32", "bf16", "f16"})) < 0 ||
       (k.gdtype = word_index(dt[1], {"f32", "bf16", "f16"})) < 0)
     return false;
-  if ((k.weights = word_index(f[2], {"plain", "sr", "kahan", "sr+kahan"})) < 0) return false;
+  k.weights = f[2] == "sr.each" ? kWeightsStochastic | kWeightsEachElement
+                                : word_index(f[2], {"plain", "sr", "kahan", "sr+kahan"});
+  if (k.weights < 0) return false;
   for (int i = 0; i < 3; ++i)
     if (!parse_state(f[3 + i], k.st[i])) return false;
   return spec_name(k) == name;
@@ -254,6 +270,8 @@ inline std::string spec_invalid(const SpecKey& k) {
   if (states == 1 && k.st[1].kind != kNone) return "a one-state rule with exp_avg_sq";
   if (((k.weights & kWeightsKahan) != 0) != (k.st[2].kind != kNone)) return "a Kahan buffer without Kahan weights";
   if (k.pdtype == kF32 && k.weights != 0) return "float32 parameters with low-precision weights";
+  if ((k.weights & kWeightsEachElement) != 0 && k.pdtype != kBF16)
+    return "random bits per element (sr.each) without bf16 parameters";
   for (const StateKey& s : k.st) {
     if (s.kind != kQuant) continue;
     if (s.bits < 1 || s.bits > 8) return "codes of " + std::to_string(s.bits) + " bits";

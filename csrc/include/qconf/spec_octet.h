@@ -608,18 +608,38 @@ QCONF_HD At partial_at(const UnitSpan& s, int32_t rpi) {
   return At{lo, s.row_at(s.iters, rpi), s.pl.c8, static_cast<int>(left < kElems ? left : kElems)};
 }
 
-// The random streams of one tensor at this step (states 0 and 1, the parameter, the Kahan buffer).
-struct Keys {
-  StreamKey k[4];
+// The parameter stream's half_bits over one unit, one hash per pair of elements: stream element
+// g = ub + offset + lo takes half of hash_at(g >> 1). Specs with pairs (Spec::kPairBits) take
+// tensors whose g0 = ub + offset is even in every unit (an even offset: rows are multiples of 8
+// elements, spec_key.h strip_ok) and whose pairs lie in one 2^32 window of pair indexes
+// (spec_key.h pairs_aligned), so hash_at(q0 + lo / 2) = hash_pair((q0lo + lo / 2) ^ k0, b) with b
+// fixed: 32-bit arithmetic per pair. Other tensors take the spec with kWeightsEachElement.
+struct alignas(16) PairStream {
+  uint32_t q0lo;  // low word of q0 = g0 >> 1
+  uint32_t k0;    // the key's low word
+  uint32_t b;     // fold_high(high word of q0 + k1)
 };
 
-QCONF_HD Keys stream_keys(const SpecArgs& a, const SpecTensor& t) {
+QCONF_HD PairStream pair_stream(const StreamKey& k, uint64_t ub) {
+  const uint64_t q0 = (ub + k.offset) >> 1;
+  return PairStream{static_cast<uint32_t>(q0), k.k0, fold_high<uint32_t>(static_cast<uint32_t>(q0 >> 32) + k.k1)};
+}
+
+// The random streams of one tensor at this step (states 0 and 1, the parameter, the Kahan buffer),
+// and the parameter stream's pairs over the unit at v.
+struct Keys {
+  StreamKey k[4];
+  PairStream pair;
+};
+
+QCONF_HD Keys unit_keys(const SpecArgs& a, const SpecTensor& t, const View& v) {
   Keys keys;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     keys.k[s] = stream_key(a.seed, a.step, t.index, static_cast<uint64_t>(s));
     keys.k[s].offset = t.rng_offset;
   }
+  keys.pair = pair_stream(keys.k[2], static_cast<uint64_t>(v.ub));
   return keys;
 }
 
@@ -768,18 +788,28 @@ QCONF_COLD uint32_t bf16_sr_pair_cold(float a, float b, uint32_t ra, uint32_t rb
   return f32_to_bf16_sr(a, ra) | static_cast<uint32_t>(f32_to_bf16_sr(b, rb)) << 16;
 }
 
-// Stochastic rounding of N fp32 values into bf16 (f32_to_bf16_sr with element e + j's random
-// bits), as N / 2 words. When every magnitude is at most the largest finite bf16 (bits
+// half_bits of the unit's elements lo .. lo+N-1 (lo and N even) as N 16-bit values (PairStream).
+template <int N>
+QCONF_HD void half_bits_pairs(const PairStream& s, uint32_t lo, uint32_t r[N]) {
+#pragma unroll
+  for (int j = 0; j < N; j += 2) {
+    const uint32_t h = hash_pair<uint32_t>((s.q0lo + lo / 2 + j / 2) ^ s.k0, s.b);
+    r[j] = h >> 16;
+    r[j + 1] = h & 0xffffu;
+  }
+}
+
+// Stochastic rounding of N fp32 values into bf16 (f32_to_bf16_sr with element lo + j's random
+// bits, half_bits), as N / 2 words. When every magnitude is at most the largest finite bf16 (bits
 // 0x7F7F0000), the top half of u + r16 is the answer: the sum cannot carry into the exponent's
 // all-ones or the sign. Otherwise (NaN, infinities, larger values) element.h for each.
 template <int N>
-QCONF_HD void round_bf16_sr(const float x[N], const StreamKey& key, uint64_t e, uint32_t out[N / 2]) {
-  constexpr float kLargest = 3.3895313892515355e38f;
+QCONF_HD void round_bf16_sr(const float x[N], const PairStream& s, uint32_t lo, uint32_t out[N / 2]) {
   uint32_t h[N];
+  half_bits_pairs<N>(s, lo, h);
   bool plain = true;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    h[j] = hash_bits(key, e + j) >> 16;
 #if defined(__CUDA_ARCH__)
     plain &= fabsf(x[j]) <= 3.3895313892515355e38f;  // bits 0x7F7F0000 (false for NaN)
 #else
@@ -805,8 +835,8 @@ QCONF_HD void round_bf16_sr(const float x[N], const StreamKey& key, uint64_t e, 
 // Half h of the octet: loads, the rule, the new parameter -- fp32, or for a 16-bit one rounded
 // (nearest, stochastic, Kahan-compensated) -- stored.
 template <class S, bool FULL>
-QCONF_HD void compute_half(const SpecArgs& a, const SpecLooks<S>& tabs, const View& v, const Keys& keys, const At& at,
-                           int h, const OldStates<S, FULL>& old, Octet& o) {
+QCONF_HD void compute_half(const SpecArgs& a, const SpecLooks<S>& tabs, const View& v, const Keys& keys,
+                           const PairStream& pair, const At& at, int h, const OldStates<S, FULL>& old, Octet& o) {
   constexpr bool bf16 = S::kPDtype == kBF16;
   const uint32_t lo = at.lo + h * kHalf;
   const int cnt = at.cnt - h * kHalf;
@@ -829,14 +859,14 @@ QCONF_HD void compute_half(const SpecArgs& a, const SpecLooks<S>& tabs, const Vi
     store_f32<kHalf, FULL>(v.param, lo, cnt, p);
   } else {
     if constexpr (S::kKahan) old.oc.half(v, 2, tabs.tc, at, h, c);
-    if constexpr (bf16 && S::kWeightsSR && !S::kKahan) {
+    if constexpr (S::kPairBits) {
       uint32_t w[kHalf / 2];
-      round_bf16_sr<kHalf>(p, keys.k[2], v.ub + lo, w);
+      round_bf16_sr<kHalf>(p, pair, lo, w);
       store_words<kHalf, FULL>(v.param, lo, cnt, w);
     } else if constexpr (S::kKahan || S::kWeightsSR) {
 #pragma unroll
       for (int j = 0; j < kHalf; ++j) {
-        const uint32_t hb = S::kWeightsSR ? hash_bits(keys.k[2], static_cast<uint64_t>(v.ub + lo + j)) : 0u;
+        const uint32_t hb = S::kWeightsSR ? param_bits(keys.k[2], static_cast<uint64_t>(v.ub + lo + j), bf16) : 0u;
         pbits[j] = S::kKahan ? kahan_write(p[j], pbits[j], c[j], bf16, S::kWeightsSR, hb)
                              : round_half(p[j], bf16, S::kWeightsSR, hb);
       }
@@ -864,11 +894,12 @@ QCONF_HD void compute_octet(const SpecArgs& a, const SpecLooks<S>& tabs, const V
   old.o0.begin(v, 0, at);
   old.o1.begin(v, 1, at);
   old.oc.begin(v, 2, at);
-  compute_half<S, FULL>(a, tabs, v, keys, at, 0, old, o);
+  const PairStream pair = keys.pair;  // read once per octet, not once per half (bf16 SR pairs)
+  compute_half<S, FULL>(a, tabs, v, keys, pair, at, 0, old, o);
 #if defined(__CUDA_ARCH__)
   __syncwarp();  // keeps the second half's loads after the first half's work (registers)
 #endif
-  compute_half<S, FULL>(a, tabs, v, keys, at, 1, old, o);
+  compute_half<S, FULL>(a, tabs, v, keys, pair, at, 1, old, o);
 }
 
 // The absmax bits of the octet's new values of each group-scaled state (0 for the others).

@@ -320,13 +320,13 @@ inline void write_params(TensorDesc& t, int64_t start, int64_t n, const float* p
       for (; i + W <= n; i += W) {
         const F pn = Isa::load(p + i);
         if (!kahan) {
-          Isa::store_u16(dst + i, sr ? bf16_sr_bits(pn, hash_vec(t.pkey, start + i)) : bf16_rne_bits(pn));
+          Isa::store_u16(dst + i, sr ? bf16_sr_bits(pn, half_bits_vec(t.pkey, start + i)) : bf16_rne_bits(pn));
           continue;
         }
         const F po = Isa::load_bf16(dst + i);  // the old parameter is still in memory
         const F c1 = Isa::load(comp + i) + (pn - po);
         const F target = po + c1;
-        const I r = sr ? bf16_sr_bits(target, hash_vec(t.pkey, start + i)) : bf16_rne_bits(target);
+        const I r = sr ? bf16_sr_bits(target, half_bits_vec(t.pkey, start + i)) : bf16_rne_bits(target);
         Isa::store(comp + i, c1 + (po - Isa::from_bits(r << 16)));
         Isa::store_u16(dst + i, r);
       }
@@ -334,7 +334,7 @@ inline void write_params(TensorDesc& t, int64_t start, int64_t n, const float* p
   }
   const bool bf16 = t.pdtype == kBF16;
   for (; i < n; ++i) {  // the element functions the CUDA kernel uses too (qconf/element.h)
-    const uint32_t h = sr ? hash_bits(t.pkey, start + i) : 0u;
+    const uint32_t h = sr ? param_bits(t.pkey, start + i, bf16) : 0u;
     dst[i] = kahan ? kahan_write(p[i], dst[i], comp[i], bf16, sr, h) : round_half(p[i], bf16, sr, h);
   }
   if (kahan) {

@@ -300,22 +300,42 @@ inline I search_stochastic(const CodecDesc& c, const SearchTables& tb, F n, F u)
   return Isa::select_i(nan, I(0u), code);
 }
 
-// the 32 random bits of elements first .. first+W-1 of a tensor (hash_bits: stream elements
-// first + k.offset ..)
-inline I hash_vec(StreamKey k, uint64_t first) {
+// The random bits of elements first .. first+W-1 of a tensor from `scalar(k, element)` (hash_bits
+// or half_bits), or, when the lanes' stream elements g = first + k.offset + j stay below one 2^32
+// boundary, from `lanes(g's low words, g's high word)` in vector arithmetic.
+template <class Scalar, class Lanes>
+inline I stream_lanes(StreamKey k, uint64_t first, Scalar scalar, Lanes lanes) {
   if constexpr (W == 1) {
-    return hash_bits(k, first);
+    return scalar(k, first);
   } else {
     const uint64_t e = first + k.offset;
     const uint32_t lo = static_cast<uint32_t>(e);
     if (lo > 0xFFFFFFFFu - (W - 1)) {  // the lanes cross a 2^32 boundary: per-lane scalar
       alignas(64) uint32_t tmp[W];
-      for (int j = 0; j < W; ++j) tmp[j] = hash_bits(k, first + j);
+      for (int j = 0; j < W; ++j) tmp[j] = scalar(k, first + j);
       return Isa::load_i(tmp);
     }
-    const I idx = Isa::iota() + I(lo);
-    return hash_pair<I>(idx ^ I(k.k0), I(fold_high<uint32_t>(static_cast<uint32_t>(e >> 32) + k.k1)));
+    return lanes(Isa::iota() + I(lo), static_cast<uint32_t>(e >> 32));
   }
+}
+
+// the 32 random bits of elements first .. first+W-1 of a tensor (hash_bits: stream elements
+// first + k.offset ..)
+inline I hash_vec(StreamKey k, uint64_t first) {
+  return stream_lanes(k, first, hash_bits, [&](I g, uint32_t hi) {
+    return hash_pair<I>(g ^ I(k.k0), I(fold_high<uint32_t>(hi + k.k1)));
+  });
+}
+
+// half_bits (element.h) of elements first .. first+W-1 of a tensor: lane g = first + k.offset + j
+// takes the top half of hash_at(g >> 1) for even g, the low half (moved to the top) for odd g.
+inline I half_bits_vec(StreamKey k, uint64_t first) {
+  return stream_lanes(k, first, half_bits, [&](I g, uint32_t hi) {
+    // g >> 1 within one 2^32 window of g: low word (g_lo >> 1) | (g_hi & 1) << 31, high g_hi >> 1
+    const I q = (g >> 1) | I(hi << 31);
+    const I h = hash_pair<I>(q ^ I(k.k0), I(fold_high<uint32_t>((hi >> 1) + k.k1)));
+    return Isa::select_i(Isa::eq_i(g & I(1u), I(1u)), h << 16, h);
+  });
 }
 
 // uniforms in [0, 1) for elements first .. first+W-1 of a stream
