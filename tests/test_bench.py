@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -400,3 +401,17 @@ def test_device_cuda_end_to_end_on_a_fake_device(tmp_path, capsys, monkeypatch):
 
 def dataclasses_replace(obj, **kw):
     return __import__("dataclasses").replace(obj, **kw)
+
+
+def test_the_gpu_check_script_logs_each_stage_and_refuses_unknown_ones(tmp_path):
+    """benchmarks/gpu_check.sh (issue 24's prepared GPU checks): each stage's log and exit status
+    land under $OUT; without CUDA the bench stage fails with the CLI's one line; a misspelt stage
+    stops the script with status 2."""
+    script = REPO / "benchmarks" / "gpu_check.sh"
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(script), "bench"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0  # (stages fail into their status line, not the script's)
+    assert (tmp_path / "status").read_text().startswith("bench rc=2 ")
+    assert "qconf bench: error: --device cuda: " in (tmp_path / "bench.log").read_text()
+    bad = subprocess.run(["bash", str(script), "bild"], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown stage 'bild'" in bad.stderr
