@@ -471,10 +471,7 @@ struct AdamRule {
       if (h.decoupled) p = p * T(h.decay);
       else g = g + p * T(h.wd);
     }
-    m = m * T(h.b1) + g * T(h.omb1);
-    if (update_v) v = v * T(h.b2) + (g * g) * T(h.omb2);
-    const T d = qsqrt(v) * T(h.inv_bc2_sqrt) + T(h.eps);
-    p = p - qdiv(m, d) * T(h.step_size);
+    moments_and_step(p, g, m, v, h, update_v);
   }
   // Whether apply_plain gives apply's results: no maximize, no coupled L2 decay, v updated.
   static constexpr bool kHasPlain = true;
@@ -486,8 +483,13 @@ struct AdamRule {
   template <class T>
   QCONF_HD static void apply_plain(T& p, T g, T& m, T& v, const Scalars& h) {
     p = p * T(h.decay);
+    moments_and_step(p, g, m, v, h, true);
+  }
+  // The moments' update and the step, after the gradient and the decay (apply, apply_plain).
+  template <class T>
+  QCONF_HD static void moments_and_step(T& p, T g, T& m, T& v, const Scalars& h, bool update_v) {
     m = m * T(h.b1) + g * T(h.omb1);
-    v = v * T(h.b2) + (g * g) * T(h.omb2);
+    if (update_v) v = v * T(h.b2) + (g * g) * T(h.omb2);
     const T d = qsqrt(v) * T(h.inv_bc2_sqrt) + T(h.eps);
     p = p - qdiv(m, d) * T(h.step_size);
   }
