@@ -281,12 +281,15 @@ struct FastQuantizer {
   // (NaN elements, or an Inf in a zero block) must get the code of 0, as normalize (element.h)
   // maps them to 0: PerElement does it in the loop unless kNanCodesLikeZero; PerVector leaves
   // them (code 0) to recode_nan, which runs only for tiles that have non-finite values.
+  // (shifted(j): the same values from element j on, j >= 0 a multiple of W)
   struct PerVector {
     const float *x, *r;
     F operator()(int64_t j) const { return Isa::load(x + j) * F(r[static_cast<uint64_t>(j) / W]); }  // (j >= 0)
+    PerVector shifted(int64_t j) const { return {x + j, r + static_cast<uint64_t>(j) / W}; }
   };
   struct PerElement {
     const float *x, *r;
+    PerElement shifted(int64_t j) const { return {x + j, r + j}; }
     F operator()(int64_t j) const {
       if constexpr (kNanCodesLikeZero) return normalize_v<false>(Isa::load(x + j), Isa::load(r + j));
       else return normalize_v<true>(Isa::load(x + j), Isa::load(r + j));
@@ -304,6 +307,17 @@ struct FastQuantizer {
       constexpr int G = Isa::kGroup;
       F n[G];
       I c[G];
+      for (; j + kQuantizeStride <= len && j % kQuantizeStride == 0; j += kQuantizeStride) {
+        nx.step();
+        const Norm nj = norm.shifted(j);
+        uint8_t* const cj = codes + first + j;
+#pragma GCC unroll 16
+        for (int64_t k = 0; k < kQuantizeStride; k += G * W) {
+          for (int h = 0; h < G; ++h) n[h] = nj(k + h * W);
+          code_group(n, c);
+          Isa::pack8n(cj + k, c);
+        }
+      }
       for (; j + G * W <= len; j += G * W) {
         if (j % kQuantizeStride == 0) nx.step();
         for (int h = 0; h < G; ++h) n[h] = norm(j + h * W);
@@ -311,17 +325,20 @@ struct FastQuantizer {
         Isa::pack8n(codes + first + j, c);
       }
     }
-    // one prefetch step per kQuantizeStride elements, the vectors between unrolled
+    // one prefetch step per kQuantizeStride elements, the vectors between unrolled and addressed
+    // at constant offsets from the stride's pointers
     for (; j + kQuantizeStride <= len && j % kQuantizeStride == 0; j += kQuantizeStride) {
       nx.step();
+      const Norm nj = norm.shifted(j);
+      const int64_t fj = first + j;
+      uint8_t* const cj = codes + static_cast<uint64_t>(fj) * BITS / 8;
       if constexpr (BITS == 4) {  // two vectors per packed store
 #pragma GCC unroll 64
-        for (int64_t k = j; k < j + kQuantizeStride; k += 2 * W)
-          Isa::pack4x2(codes + static_cast<uint64_t>(first + k) / 2, code(norm(k), first + k),
-                       code(norm(k + W), first + k + W));
+        for (int64_t k = 0; k < kQuantizeStride; k += 2 * W)
+          Isa::pack4x2(cj + k / 2, code(nj(k), fj + k), code(nj(k + W), fj + k + W));
       } else {
 #pragma GCC unroll 64
-        for (int64_t k = j; k < j + kQuantizeStride; k += W) store(codes, code(norm(k), first + k), first + k);
+        for (int64_t k = 0; k < kQuantizeStride; k += W) store(cj, code(nj(k), fj + k), k);
       }
     }
     for (; j < len; j += W) {

@@ -165,9 +165,28 @@ inline __attribute__((always_inline)) void main_vector(float* p, const float* g,
   }
 }
 
+// s moved on by i elements of the tile (i a multiple of W), so that the loads of a chunk of
+// vectors address it at constant offsets
+template <int IO>
+inline StateIn advance(const StateIn& s, int64_t i) {
+  StateIn a = s;
+  const uint64_t u = static_cast<uint64_t>(i);  // (i >= 0: the divisions are shifts)
+  if constexpr (IO == kIOF32) a.values += i;
+  if constexpr (io_q4(IO)) a.codes += u / 2;
+  if constexpr (io_q8(IO)) a.decoded += i;
+  if constexpr (IO == kIOQ4B || IO == kIOQ8B) a.scale += u / W;
+  if constexpr (IO == kIOQ4 || IO == kIOQ8) a.scale += i;
+  if constexpr (IO != kIONone) a.out += i;
+  return a;
+}
+
 // StoreP=false (pass 1): only the states' new values are needed; the parameter math is dead code.
 // Plain: the rule's flags were checked once here (Rule::plain), so the loop runs
 // Rule::apply_plain, with no branch per vector (the final pass of the common AdamW step).
+// The vectors go in chunks of kMainChunk elements, unrolled, with the chunk's prefetch steps
+// first and every address a constant offset from the chunk's pointers (the per-vector index
+// arithmetic and flag tests were a fifth of the loop).
+constexpr int64_t kMainChunk = 32;  // a multiple of NextLines::main_elems (16 or 32)
 template <class Rule, int IO0, int IO1, bool StoreP = true, bool Plain = false>
 void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_, int64_t n, const Scalars& hs,
                bool update_v, NextLines& next) {
@@ -179,6 +198,15 @@ void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_,
   NextLines nx = next;               // could alias the references)
   int64_t i = 0;
   if constexpr (W > 1) {
+    const bool two_steps = nx.main_elems < kMainChunk;
+    for (; i + kMainChunk <= n; i += kMainChunk) {
+      nx.step();
+      if (two_steps) nx.step();
+      const StateIn a0 = advance<IO0>(s0, i), a1 = advance<IO1>(s1, i);
+#pragma GCC unroll 8
+      for (int64_t k = 0; k < kMainChunk; k += W)
+        main_vector<Rule, IO0, IO1, StoreP, Plain>(p + i, g + i, a0, a1, k, h, update_v);
+    }
     for (; i + W <= n; i += W) {
       if ((i & (nx.main_elems - 1)) == 0) nx.step();
       main_vector<Rule, IO0, IO1, StoreP, Plain>(p, g, s0, s1, i, h, update_v);
