@@ -67,12 +67,12 @@ struct Probe16 {
   // #{k < 16 : table[k] < x} (Le=false) or <= x (Le=true) for sorted, +inf padded tables
   template <bool Le>
   I count(F x) const {
-    if constexpr (Isa::kSplit16) {
+    if constexpr (Isa::kSplit16) {  // (the outcomes as all-ones masks: k = 4 a + 2 b, then + 1s)
       const auto m8 = cmp_le_lt<Le>(F(first), x);
-      I k = Isa::select_i(m8, I(4u), I(0u));
-      k = Isa::add_if(cmp_le_lt<Le>(Isa::select(m8, second_hi, second_lo), x), k, I(2u));
-      k = Isa::add_if(cmp_le_lt<Le>(Isa::lookup8(odd, k), x), k, I(1u));
-      return Isa::add_if(cmp_le_lt<Le>(Isa::lookup8(even, k), x), k + k, I(1u));
+      const I m4 = Isa::mask_i(cmp_le_lt<Le>(Isa::select(m8, second_hi, second_lo), x));
+      I k = (Isa::mask_i(m8) & I(4u)) + (m4 & I(2u));
+      k = Isa::inc_if(cmp_le_lt<Le>(Isa::lookup8(odd, k), x), k);
+      return Isa::inc_if(cmp_le_lt<Le>(Isa::lookup8(even, k), x), k + k);
     }
     I c = Isa::select_i(cmp_le_lt<Le>(F(first), x), I(8u), I(0u));
     c = Isa::add_if(cmp_le_lt<Le>(Isa::lookup16(t4, c), x), c, I(4u));
@@ -222,7 +222,7 @@ struct FastQuantizer {
     F m[G];
     for (int h = 0; h < G; ++h) r[h] = line_index(n[h]);
     Isa::lookup256n(mids256, r, m);
-    for (int h = 0; h < G; ++h) c[h] = Isa::add_if(Isa::lt(m[h], n[h]), r[h], I(1u));
+    for (int h = 0; h < G; ++h) c[h] = Isa::inc_if(Isa::lt(m[h], n[h]), r[h]);
   }
 
   I count_near(F n) const {
@@ -332,10 +332,11 @@ struct FastQuantizer {
       const Norm nj = norm.shifted(j);
       const int64_t fj = first + j;
       uint8_t* const cj = codes + static_cast<uint64_t>(fj) * BITS / 8;
-      if constexpr (BITS == 4) {  // two vectors per packed store
+      if constexpr (BITS == 4) {  // four vectors per packed store
 #pragma GCC unroll 64
-        for (int64_t k = 0; k < kQuantizeStride; k += 2 * W)
-          Isa::pack4x2(cj + k / 2, code(nj(k), fj + k), code(nj(k + W), fj + k + W));
+        for (int64_t k = 0; k < kQuantizeStride; k += 4 * W)
+          Isa::pack4x4(cj + k / 2, code(nj(k), fj + k), code(nj(k + W), fj + k + W),
+                       code(nj(k + 2 * W), fj + k + 2 * W), code(nj(k + 3 * W), fj + k + 3 * W));
       } else {
 #pragma GCC unroll 64
         for (int64_t k = 0; k < kQuantizeStride; k += W) store(cj, code(nj(k), fj + k), k);
@@ -376,17 +377,73 @@ inline void recode_nan(const StateDesc& st, const float* x, const float* rbuf, i
   }
 }
 
+// Lane b: raw_absmax_bits of block b (b < nb <= W) of the tile, from the main loop's per-chunk
+// lane-wise maxima (chunk_max, W lanes per chunk; per_block chunks per block); lanes from nb on
+// are 0.
+inline I block_absmax_lanes(const uint32_t* chunk_max, int64_t per_block, int nb) {
+  I acc[W];
+  for (int b = 0; b < W; ++b) {
+    I a(0u);
+    if (b < nb) {
+      for (int64_t q = 0; q < per_block; ++q) a = Isa::max_u(a, Isa::load_i(chunk_max + (b * per_block + q) * W));
+    }
+    acc[b] = a;
+  }
+  return Isa::hmax_lanes(acc);
+}
+
+// The new scales of the whole blocks of a tile (start a multiple of B, and B of kMainChunk), W
+// blocks at a time: st.scales and one reciprocal per vector in rbuf, as the per-block loop of
+// quantize_fast gives them (scale_from_absmax_bits, run_recip), for a vector of blocks at once.
+// The maxima come from the main loop (chunk_max); a block with a NaN or an Inf sets nonfinite
+// and takes finite_absmax_bits of x. Returns the number of elements done.
+inline int64_t block_scales_lanes(const StateDesc& st, int64_t start, int64_t n, const float* x,
+                                  const uint32_t* chunk_max, float* rbuf, bool& nonfinite) {
+  const int64_t B = st.codec.block;
+  if (W == 1 || chunk_max == nullptr || B % kMainChunk != 0 || start % B != 0) return 0;
+  const int64_t blocks = n / B, first_block = start / B, per_block = B / kMainChunk;
+  const I min_bits(0x00800000u);  // FLT_MIN
+  alignas(64) uint32_t mv[W];
+  alignas(64) float sv[W], rv[W];
+  for (int64_t b0 = 0; b0 < blocks; b0 += W) {
+    const int nb = blocks - b0 < W ? static_cast<int>(blocks - b0) : W;
+    I m = block_absmax_lanes(chunk_max + b0 * per_block * W, per_block, nb);
+    if (Isa::hmax_u(m) >= 0x7f800000u) {  // rare: some block has a NaN or an Inf
+      nonfinite = true;
+      Isa::store_i(mv, m);
+      for (int b = 0; b < nb; ++b)
+        if (mv[b] >= 0x7f800000u) mv[b] = finite_absmax_bits(x + (b0 + b) * B, B);
+      m = Isa::load_i(mv);
+    }
+    // scale_from_absmax_bits: a nonzero maximum below FLT_MIN becomes FLT_MIN (m < 2^31: signed
+    // max); run_recip: 1 / s, 0 for a zero scale
+    const auto zero = Isa::eq_i(m, I(0u));
+    const F s = Isa::from_bits(Isa::select_i(zero, I(0u), Isa::max_i(m, min_bits)));
+    Isa::store(sv, s);
+    Isa::store(rv, Isa::select(zero, F(0.0f), qdiv(F(1.0f), s)));
+    for (int b = 0; b < nb; ++b) {
+      st.scales[first_block + b0 + b] = sv[b];
+      const F r(rv[b]);  // per vector; whole-register stores (Buffers has room to spare)
+      const int64_t v0 = (b0 + b) * B / W;
+      for (int64_t v = v0; v < v0 + B / W; v += W) Isa::store(rbuf + v, r);
+    }
+  }
+  return blocks * B;
+}
+
 template <int BITS, bool SR, int NEAR = kNearSearch>
 void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, const float* x, float* rbuf,
-                   NextLines& next) {
+                   NextLines& next, const uint32_t* chunk_max) {
   const FastQuantizer<BITS, SR, NEAR> q(st);
   if (!st.two_pass) {
-    // all the tile's new block scales first (their reductions and divisions overlap), then one
-    // quantize loop over the tile with a reciprocal per vector
+    // all the tile's new block scales first (a vector of blocks at a time where they are whole
+    // vectors, then any partial block), then one quantize loop over the tile with a reciprocal
+    // per vector
     const int64_t B = st.codec.block;
-    int64_t blk = start / B;
     bool nonfinite = false;
-    for (int64_t off = 0; off < n; ++blk) {
+    int64_t off = block_scales_lanes(st, start, n, x, chunk_max, rbuf, nonfinite);
+    int64_t blk = (start + off) / B;
+    for (; off < n; ++blk) {
       const int64_t len = (blk + 1) * B - (start + off) < n - off ? (blk + 1) * B - (start + off) : n - off;
       const uint32_t m = raw_absmax_bits(x + off, len);  // >= Inf's bits iff the block has NaN / Inf
       nonfinite = nonfinite || m >= 0x7f800000u;
@@ -408,29 +465,12 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
 // holds 32-entry tables in registers (AVX2 probes the midpoints with a gather, AVX-512 with
 // byte-plane permutes); false: the caller searches
 inline bool quantize_lines(int form, const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n,
-                           const float* x, float* rbuf, NextLines& next) {
+                           const float* x, float* rbuf, NextLines& next, const uint32_t* chunk_max) {
   if constexpr (Isa::kTable32) {
-    if (form == 1) quantize_fast<8, false, kNearLinesUnsigned>(st, t, start, n, x, rbuf, next);
-    if (form == 2) quantize_fast<8, false, kNearLinesSigned>(st, t, start, n, x, rbuf, next);
+    if (form == 1) quantize_fast<8, false, kNearLinesUnsigned>(st, t, start, n, x, rbuf, next, chunk_max);
+    if (form == 2) quantize_fast<8, false, kNearLinesSigned>(st, t, start, n, x, rbuf, next, chunk_max);
     return form == 1 || form == 2;
   } else {
     return false;
   }
 }
-
-// Whether the 4/8-bit register paths apply to this state in this tile: whole vectors, and every
-// one old scale per vector of a single-pass block state (blocks are whole vectors: state_io),
-// in whole-register stores: a block's last store may run up to W-1 entries past its vectors (the
-// next block's stores overwrite them; Buffers leaves room after the tile's last vector)
-inline void fill_per_vector(const CodecDesc& c, const float* scales, int64_t start, int64_t n, float* out) {
-  const int64_t per_block = c.block / W;
-  int64_t blk = start / c.block, v = 0;
-  const int64_t nv = n / W;
-  for (int64_t k = (start % c.block) / W; v < nv; ++blk, k = 0) {
-    const int64_t count = per_block - k < nv - v ? per_block - k : nv - v;
-    const F s(scales[blk]);
-    for (int64_t q = 0; q < count; q += W) Isa::store(out + v + q, s);
-    v += count;
-  }
-}
-

@@ -70,10 +70,17 @@ struct Isa {
   static F select(M m, F a, F b) { return _mm512_mask_mov_ps(b.v, m, a.v); }
   static I select_i(M m, I a, I b) { return _mm512_mask_mov_epi32(b.v, m, a.v); }
   static I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a.v, m, a.v, b.v); }
+  static I inc_if(M m, I a) { return add_if(m, a, I(1u)); }  // a + 1 where m
+  static I mask_i(M m) { return _mm512_movm_epi32(m); }    // all-ones lanes where m, else 0
   static I max_u(I a, I b) { return _mm512_max_epu32(a.v, b.v); }
   static I min_i(I a, I b) { return _mm512_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm512_max_epi32(a.v, b.v); }
   static uint32_t hmax_u(I a) { return _mm512_reduce_max_epu32(a.v); }
+  static I hmax_lanes(const I* v) {  // lane k: hmax_u(v[k]), k < W
+    alignas(64) uint32_t m[W];
+    for (int k = 0; k < W; ++k) m[k] = hmax_u(v[k]);
+    return load_i(m);
+  }
   static F fmin_nan(F a, F b) {  // NaN-ignoring minimum: _mm512_min_ps returns b when a is NaN
     return select(isnan(b), a, _mm512_min_ps(a.v, b.v));
   }
@@ -85,6 +92,7 @@ struct Isa {
   using T16 = __m512;
   static T16 table16(const float* t) { return _mm512_loadu_ps(t); }
   static F lookup16(T16 t, I idx) { return _mm512_permutexvar_ps(idx.v, t); }
+  static T16 scale16(T16 t, F s) { return _mm512_mul_ps(t, s.v); }  // every entry times s
   // 8-entry tables (indices 0..7); kSplit16: whether a 16-entry count is cheaper as one
   // broadcast blend and two 8-entry permutes (quantizer.h Probe16) than as 16-entry permutes
   static constexpr bool kSplit16 = false;
@@ -252,6 +260,10 @@ struct Isa {
     pack4(p, c0);
     pack4(p + W / 2, c1);
   }
+  static void pack4x4(uint8_t* p, I c0, I c1, I c2, I c3) {  // 64 codes -> 32 bytes
+    pack4x2(p, c0, c1);
+    pack4x2(p + W, c2, c3);
+  }
   static I unpack8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c.v)); }
   // table[code] for 16 packed 4-bit codes: vpermps reads only index bits 0..3, so each lane just
@@ -328,6 +340,8 @@ struct Isa {
   static F select(M m, F a, F b) { return _mm256_blendv_ps(b.v, a.v, _mm256_castsi256_ps(m)); }
   static I select_i(M m, I a, I b) { return _mm256_blendv_epi8(b.v, a.v, m); }
   static I add_if(M m, I a, I b) { return _mm256_add_epi32(a.v, _mm256_and_si256(m, b.v)); }
+  static I inc_if(M m, I a) { return _mm256_sub_epi32(a.v, m); }  // a + 1 where m (m = -1)
+  static I mask_i(M m) { return m; }
   static I max_u(I a, I b) { return _mm256_max_epu32(a.v, b.v); }
   static I min_i(I a, I b) { return _mm256_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm256_max_epi32(a.v, b.v); }
@@ -337,6 +351,20 @@ struct Isa {
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
     return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
   }
+  // lane k: hmax_u(v[k]), k < 8: pairs of vectors interleaved and maxed (a transpose that halves
+  // each time), 21 operations for 8 maxima against 7 each
+  static I hmax_lanes(const I* v) {
+    __m256i t[4], u[2];
+    for (int k = 0; k < 4; ++k)
+      t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(v[2 * k].v, v[2 * k + 1].v),
+                              _mm256_unpackhi_epi32(v[2 * k].v, v[2 * k + 1].v));
+    for (int k = 0; k < 2; ++k)
+      u[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
+                              _mm256_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+    // u[0] lane L: the 4-lane maxima of v[0..3]'s 128-bit lane L, u[1] those of v[4..7]
+    return _mm256_max_epu32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                            _mm256_permute2x128_si256(u[0], u[1], 0x31));
+  }
   static F fmin_nan(F a, F b) { return select(isnan(b), a, _mm256_min_ps(a.v, b.v)); }
   static F fmax_nan(F a, F b) { return select(isnan(b), a, _mm256_max_ps(a.v, b.v)); }
   static F min_or(F x, F c) { return _mm256_min_ps(x.v, c.v); }
@@ -345,6 +373,7 @@ struct Isa {
     __m256 lo, hi;
   };
   static T16 table16(const float* t) { return T16{_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; }
+  static T16 scale16(T16 t, F s) { return T16{_mm256_mul_ps(t.lo, s.v), _mm256_mul_ps(t.hi, s.v)}; }
   static constexpr bool kSplit16 = true;  // (a lookup16 is two permutes and a blend)
   using T8 = __m256;
   static T8 table8(const float* t) { return _mm256_loadu_ps(t); }
@@ -420,6 +449,16 @@ struct Isa {
                                                            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
     _mm_storel_epi64((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
   }
+  static void pack4x4(uint8_t* p, I c0, I c1, I c2, I c3) {  // 32 codes -> 16 bytes
+    // bytes of 128-bit lane L: c0[4L..4L+3], c1[..], c2[..], c3[..]; each byte pair (2j, 2j+1)
+    // becomes the low byte of word | word >> 4, those go to the lane's first 8 bytes (a word per
+    // vector), and the two lanes' words interleaved put each vector's 4 bytes in order
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0.v, c1.v), _mm256_packus_epi32(c2.v, c3.v));
+    const __m256i lo = _mm256_shuffle_epi8(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)),
+                                           _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                            0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storeu_si128((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
+  }
   static I unpack8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) {  // 8 codes (< 256) -> 8 bytes: byte 0 of each lane, halves or-ed
     const __m256i b = _mm256_shuffle_epi8(c.v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -468,10 +507,13 @@ struct Isa {
   static F select(M m, F a, F b) { return m ? a : b; }
   static I select_i(M m, I a, I b) { return m ? a : b; }
   static I add_if(M m, I a, I b) { return m ? a + b : a; }
+  static I inc_if(M m, I a) { return m ? a + 1u : a; }
+  static I mask_i(M m) { return m ? 0xFFFFFFFFu : 0u; }
   static I max_u(I a, I b) { return a > b ? a : b; }
   static I min_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
   static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
   static uint32_t hmax_u(I a) { return a; }
+  static I hmax_lanes(const I* v) { return v[0]; }
   static F fmin_nan(F a, F b) { return qconf::fmin_nan(a, b); }
   static F fmax_nan(F a, F b) { return qconf::fmax_nan(a, b); }
   static F min_or(F x, F c) { return x < c ? x : c; }
@@ -506,9 +548,11 @@ struct Isa {
   static I unpack4(const uint8_t*) { return 0u; }
   static void pack4(uint8_t*, I) {}
   static void pack4x2(uint8_t*, I, I) {}
+  static void pack4x4(uint8_t*, I, I, I, I) {}
   static I unpack8(const uint8_t*) { return 0u; }
   static void pack8(uint8_t*, I) {}
   static F lookup16_packed4(T16, const uint8_t*) { return 0.0f; }  // kFastPack is false
+  static T16 scale16(T16 t, F) { return t; }  // (unused: kFastPack is false, so no state reads packed codes)
 };
 
 #endif

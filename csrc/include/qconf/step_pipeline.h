@@ -22,10 +22,11 @@ struct Buffers {
   float* sc[2];  // old scales, then reciprocals (per vector or per element)
   float* vhat;
   uint32_t* codes;
+  uint32_t* chunk_max[2];  // kIOQ*B: per main-loop chunk, the lane-wise max of the new values' |bits|
   float* storage;
   explicit Buffers(int64_t tile) {
     const int64_t n = tile + 64;
-    storage = new float[8 * n];
+    storage = new float[10 * n];
     g = storage;
     p = storage + n;
     s[0] = storage + 2 * n;
@@ -34,6 +35,8 @@ struct Buffers {
     sc[1] = storage + 5 * n;
     vhat = storage + 6 * n;
     codes = reinterpret_cast<uint32_t*>(storage + 7 * n);
+    chunk_max[0] = reinterpret_cast<uint32_t*>(storage + 8 * n);  // (n / kMainChunk vectors of W <= 16 lanes)
+    chunk_max[1] = reinterpret_cast<uint32_t*>(storage + 9 * n);
   }
   ~Buffers() { delete[] storage; }
   Buffers(const Buffers&) = delete;
@@ -96,18 +99,21 @@ inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
 //      2-4 in one loop); final pass: the tile's new block scales (single-pass) or per-element new
 //      reciprocals (two-pass), then quantize and pack
 //   kIOQ4/kIOQ8: 4/8-bit codes with per-element old scales (two-pass layouts: rank1, dim1, ...)
-//   kIOQ4B/kIOQ8B: the same codes with one old scale per vector (single-pass blocks, block % W == 0)
+//   kIOQ4B/kIOQ8B: the same codes with one old scale per main-loop chunk (single-pass blocks,
+//   block % kMainChunk == 0)
 enum StateIO : int { kIONone = 0, kIOF32 = 1, kIOQ4 = 4, kIOQ4B = 5, kIOQ8 = 8, kIOQ8B = 9 };
 constexpr bool io_q4(int io) { return io == kIOQ4 || io == kIOQ4B; }
 constexpr bool io_q8(int io) { return io == kIOQ8 || io == kIOQ8B; }
+constexpr bool io_chunk_scale(int io) { return io == kIOQ4B || io == kIOQ8B; }
 
 struct StateIn {
   const float* values = nullptr;  // kIOF32: read from here
   float* out = nullptr;           // new values go here (in place for kIOF32 on the final pass)
   const uint8_t* codes = nullptr; // kIOQ4/kIOQ8: packed codes of the tile
-  const float* scale = nullptr;   // old scales of the tile: per element, or per vector (kIOQ*B)
+  const float* scale = nullptr;   // old scales of the tile: per element, or per chunk (kIOQ*B)
   const float* qmap = nullptr;
   const float* decoded = nullptr; // kIOQ8: qmap[code] of the whole tile (decode8)
+  uint32_t* chunk_max = nullptr;  // kIOQ*B: where the main loop puts each chunk's max |bits| (W lanes)
 };
 
 // Fills s for the 8-bit codes of state st in a tile: decoded into `scratch` ahead of the loop
@@ -117,13 +123,6 @@ inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* sc
   s.decoded = scratch;
 }
 
-// (i >= 0: the unsigned divisions are shifts)
-template <int IO>
-inline F old_scale(const StateIn& s, int64_t i) {
-  if constexpr (IO == kIOQ4B || IO == kIOQ8B) return F(s.scale[static_cast<uint64_t>(i) / W]);
-  else return Isa::load(s.scale + i);
-}
-
 // qmap[code] of elements i .. i+W-1 of the tile (4/8-bit kinds)
 template <int IO>
 inline F code_value(const StateIn& s, int64_t i) {
@@ -131,16 +130,62 @@ inline F code_value(const StateIn& s, int64_t i) {
   else return Isa::load(s.decoded + i);
 }
 
-template <int IO>
-inline F load_state(const StateIn& s, int64_t i) {
-  if constexpr (IO == kIOF32) {
-    return Isa::load(s.values + i);
-  } else if constexpr (io_q4(IO) || io_q8(IO)) {
-    return code_value<IO>(s, i) * old_scale<IO>(s, i);
-  } else {
-    return F(0.0f);
+// One old scale per main-loop chunk of a single-pass block state (kIOQ*B): out[q] is the scale
+// of elements start + q * kMainChunk .. of the tile (a chunk never straddles two blocks).
+// Whole-register stores: a block's last store may run up to W-1 entries past its chunks (the next
+// block's stores overwrite them; Buffers leaves room after the tile's last chunk).
+inline void fill_per_chunk(const CodecDesc& c, const float* scales, int64_t start, int64_t n, float* out) {
+  const int64_t per_block = c.block / kMainChunk, chunks = (n + kMainChunk - 1) / kMainChunk;
+  int64_t blk = start / c.block, q = 0;
+  for (int64_t k = (start % c.block) / kMainChunk; q < chunks; ++blk, k = 0) {
+    const F s(scales[blk]);
+    for (int64_t j = 0; j < per_block - k; j += W) Isa::store(out + q + j, s);
+    q += per_block - k;
   }
 }
+
+// A state's input to one chunk of the main loop, from element i of the tile on (i a multiple of
+// kMainChunk): value(k) is the old state of elements i + k .. i + k + W - 1. With one scale per
+// chunk (kIOQ4B) the 16-entry table is multiplied by it once per chunk: qmap[c] * s is the same
+// product either way, so the values are those of qmap[code] * scale.
+template <int IO>
+struct ChunkIn {
+  const float* values;
+  const uint8_t* codes;
+  const float* scale;  // per element (kIOQ4 / kIOQ8)
+  float* out;
+  uint32_t* chunk_max;  // kIOQ*B
+  Isa::T16 table;  // kIOQ4*: qmap, times the chunk's scale (kIOQ4B)
+  F chunk_scale;   // kIOQ*B
+  ChunkIn(const StateIn& s, int64_t i) : out(s.out + i) {
+    const uint64_t u = static_cast<uint64_t>(i);  // (i >= 0: the divisions are shifts)
+    if constexpr (IO == kIOF32) values = s.values + i;
+    if constexpr (io_q4(IO)) codes = s.codes + u / 2;
+    if constexpr (io_q8(IO)) values = s.decoded + i;
+    if constexpr (IO == kIOQ4 || IO == kIOQ8) scale = s.scale + i;
+    if constexpr (io_chunk_scale(IO)) {
+      chunk_scale = F(s.scale[u / kMainChunk]);
+      chunk_max = s.chunk_max + u / kMainChunk * W;
+    }
+    if constexpr (IO == kIOQ4) table = Isa::table16(s.qmap);
+    if constexpr (IO == kIOQ4B) table = Isa::scale16(Isa::table16(s.qmap), chunk_scale);
+  }
+  F value(int64_t k) const {
+    if constexpr (IO == kIOF32) return Isa::load(values + k);
+    else if constexpr (IO == kIOQ4B) return Isa::lookup16_packed4(table, codes + k / 2);
+    else if constexpr (IO == kIOQ4) return Isa::lookup16_packed4(table, codes + k / 2) * Isa::load(scale + k);
+    else if constexpr (IO == kIOQ8B) return Isa::load(values + k) * chunk_scale;
+    else if constexpr (IO == kIOQ8) return Isa::load(values + k) * Isa::load(scale + k);
+    else return F(0.0f);
+  }
+  // the new values' |bits| (raw_absmax_bits' terms) folded into the chunk's lane-wise max
+  void fold(I& acc, F x) const {
+    if constexpr (io_chunk_scale(IO)) acc = Isa::max_u(acc, Isa::bits(x) & I(0x7fffffffu));
+  }
+  void finish(I acc) const {
+    if constexpr (io_chunk_scale(IO)) Isa::store_i(chunk_max, acc);
+  }
+};
 
 // (the 4/8-bit kinds only occur for whole vectors: state_io)
 template <int IO>
@@ -149,44 +194,33 @@ inline float load_state_scalar(const StateIn& s, int64_t i) {
   else return 0.0f;
 }
 
-// One vector of the main loop: elements i .. i+W-1 (see main_loop).
+// One vector of the main loop: elements k .. k+W-1 of a chunk (see main_loop); the states' new
+// |bits| folded into max0, max1 (single-pass block states: their new scales).
 template <class Rule, int IO0, int IO1, bool StoreP, bool Plain>
-inline __attribute__((always_inline)) void main_vector(float* p, const float* g, const StateIn& s0, const StateIn& s1,
-                                                       int64_t i, const Scalars& h, bool update_v) {
-  F P = Isa::load(p + i);
-  F A = load_state<IO0>(s0, i);
-  F B = load_state<IO1>(s1, i);
-  if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + i), A, B, h);
-  else Rule::apply(P, Isa::load(g + i), A, B, h, update_v);
-  if constexpr (StoreP) Isa::store(p + i, P);
-  if constexpr (IO0 != kIONone) Isa::store(s0.out + i, A);
+inline __attribute__((always_inline)) void main_vector(float* p, const float* g, const ChunkIn<IO0>& s0,
+                                                       const ChunkIn<IO1>& s1, int64_t k, const Scalars& h,
+                                                       bool update_v, I& max0, I& max1) {
+  F P = Isa::load(p + k);
+  F A = s0.value(k);
+  F B = s1.value(k);
+  if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + k), A, B, h);
+  else Rule::apply(P, Isa::load(g + k), A, B, h, update_v);
+  if constexpr (StoreP) Isa::store(p + k, P);
+  s0.fold(max0, A);
+  s1.fold(max1, B);
+  if constexpr (IO0 != kIONone) Isa::store(s0.out + k, A);
   if constexpr (IO1 != kIONone) {
-    if (Plain || update_v) Isa::store(s1.out + i, B);
+    if (Plain || update_v) Isa::store(s1.out + k, B);
   }
-}
-
-// s moved on by i elements of the tile (i a multiple of W), so that the loads of a chunk of
-// vectors address it at constant offsets
-template <int IO>
-inline StateIn advance(const StateIn& s, int64_t i) {
-  StateIn a = s;
-  const uint64_t u = static_cast<uint64_t>(i);  // (i >= 0: the divisions are shifts)
-  if constexpr (IO == kIOF32) a.values += i;
-  if constexpr (io_q4(IO)) a.codes += u / 2;
-  if constexpr (io_q8(IO)) a.decoded += i;
-  if constexpr (IO == kIOQ4B || IO == kIOQ8B) a.scale += u / W;
-  if constexpr (IO == kIOQ4 || IO == kIOQ8) a.scale += i;
-  if constexpr (IO != kIONone) a.out += i;
-  return a;
 }
 
 // StoreP=false (pass 1): only the states' new values are needed; the parameter math is dead code.
 // Plain: the rule's flags were checked once here (Rule::plain), so the loop runs
 // Rule::apply_plain, with no branch per vector (the final pass of the common AdamW step).
 // The vectors go in chunks of kMainChunk elements, unrolled, with the chunk's prefetch steps
-// first and every address a constant offset from the chunk's pointers (the per-vector index
-// arithmetic and flag tests were a fifth of the loop).
-constexpr int64_t kMainChunk = 32;  // a multiple of NextLines::main_elems (16 or 32)
+// first, every address a constant offset from the chunk's pointers and the chunk's old scale
+// applied once (ChunkIn): the per-vector index arithmetic, flag tests and scale broadcasts were
+// a fifth of the loop.
 template <class Rule, int IO0, int IO1, bool StoreP = true, bool Plain = false>
 void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_, int64_t n, const Scalars& hs,
                bool update_v, NextLines& next) {
@@ -202,14 +236,27 @@ void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_,
     for (; i + kMainChunk <= n; i += kMainChunk) {
       nx.step();
       if (two_steps) nx.step();
-      const StateIn a0 = advance<IO0>(s0, i), a1 = advance<IO1>(s1, i);
+      const ChunkIn<IO0> c0(s0, i);
+      const ChunkIn<IO1> c1(s1, i);
+      I max0(0u), max1(0u);
 #pragma GCC unroll 8
       for (int64_t k = 0; k < kMainChunk; k += W)
-        main_vector<Rule, IO0, IO1, StoreP, Plain>(p + i, g + i, a0, a1, k, h, update_v);
+        main_vector<Rule, IO0, IO1, StoreP, Plain>(p + i, g + i, c0, c1, k, h, update_v, max0, max1);
+      c0.finish(max0);
+      c1.finish(max1);
     }
-    for (; i + W <= n; i += W) {
-      if ((i & (nx.main_elems - 1)) == 0) nx.step();
-      main_vector<Rule, IO0, IO1, StoreP, Plain>(p, g, s0, s1, i, h, update_v);
+    if (i + W <= n) {  // the whole vectors of a last, partial chunk
+      const ChunkIn<IO0> c0(s0, i);
+      const ChunkIn<IO1> c1(s1, i);
+      I max0(0u), max1(0u);
+      int64_t k = 0;
+      for (; i + k + W <= n; k += W) {
+        if ((k & (nx.main_elems - 1)) == 0) nx.step();
+        main_vector<Rule, IO0, IO1, StoreP, Plain>(p + i, g + i, c0, c1, k, h, update_v, max0, max1);
+      }
+      c0.finish(max0);
+      c1.finish(max1);
+      i += k;
     }
   }
   for (; i < n; ++i) {
@@ -271,7 +318,7 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
   if (st.kind == kFp32) return kIOF32;
   const CodecDesc& c = st.codec;
   if (!Isa::kFastPack || W == 1 || (c.bits != 4 && c.bits != 8) || n % W != 0 || start % W != 0) return kIOF32;
-  if (!st.two_pass) return c.block % W != 0 ? kIOF32 : c.bits + 1;  // kIOQ4B / kIOQ8B
+  if (!st.two_pass) return c.block % kMainChunk != 0 ? kIOF32 : c.bits + 1;  // kIOQ4B / kIOQ8B
   return c.bits;  // kIOQ4 / kIOQ8
 }
 
@@ -442,7 +489,8 @@ inline __attribute__((always_inline)) void prepare_state(const TensorDesc& t, in
       s.values = b.s[k];
     } else {
       if (st.two_pass) fill_per_element(st.codec, t, st.scales, true, start, n, b.sc[k]);
-      else fill_per_vector(st.codec, st.scales, start, n, b.sc[k]);
+      else fill_per_chunk(st.codec, st.scales, start, n, b.sc[k]);
+      s.chunk_max = b.chunk_max[k];
       s.codes = st.codes + start * st.codec.bits / 8;
       s.scale = b.sc[k];
       s.qmap = st.codec.qmap;
@@ -489,15 +537,18 @@ inline __attribute__((always_inline)) void quantize_states(const TensorDesc& t, 
     const bool sr = st.codec.stochastic != 0;
     const bool grid = !sr && st.codec.grid[kGridL] != 0.0f;
     const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[kLinesForm]);
-    if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, b.s[k], b.sc[k], b.next)
-                      : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, b.s[k], b.sc[k], b.next)
-                             : quantize_fast<4, false>(st, t, start, n, b.s[k], b.sc[k], b.next);
+    const float* x = b.s[k];
+    float* rbuf = b.sc[k];
+    const uint32_t* cmax = b.chunk_max[k];  // (single-pass states: written by the main loop)
+    if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, x, rbuf, b.next, cmax)
+                      : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, x, rbuf, b.next, cmax)
+                             : quantize_fast<4, false>(st, t, start, n, x, rbuf, b.next, cmax);
     else if (io_q8(io[k])) {
-      if (sr) quantize_fast<8, true>(st, t, start, n, b.s[k], b.sc[k], b.next);
-      else if (grid) quantize_fast<8, false, kNearGrid>(st, t, start, n, b.s[k], b.sc[k], b.next);
-      else if (!quantize_lines(lines, st, t, start, n, b.s[k], b.sc[k], b.next))
-        quantize_fast<8, false>(st, t, start, n, b.s[k], b.sc[k], b.next);
-    } else quantize(st, t, start, n, b.s[k], b.codes);
+      if (sr) quantize_fast<8, true>(st, t, start, n, x, rbuf, b.next, cmax);
+      else if (grid) quantize_fast<8, false, kNearGrid>(st, t, start, n, x, rbuf, b.next, cmax);
+      else if (!quantize_lines(lines, st, t, start, n, x, rbuf, b.next, cmax))
+        quantize_fast<8, false>(st, t, start, n, x, rbuf, b.next, cmax);
+    } else quantize(st, t, start, n, x, b.codes);
   }
 }
 

@@ -32,6 +32,7 @@ struct NextLines {
   }
 };
 constexpr int64_t kQuantizeStride = 64;  // elements per step of each quantized state
+constexpr int64_t kMainChunk = 32;  // main-loop elements per chunk: a multiple of NextLines::main_elems (16 or 32)
 constexpr int64_t kPrefetch = 1024;  // elements ahead (one tile)
 
 // ---------------------------------------------------------------------------------------------
