@@ -240,6 +240,10 @@ struct Isa {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
   }
   static void store_u16(uint16_t* p, I x) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(x.v)); }
+  static void store_u16x2(uint16_t* p, I x0, I x1) {  // 2 W lanes (< 2^16) -> 2 W uint16
+    store_u16(p, x0);
+    store_u16(p + W, x1);
+  }
   static F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static void store_f16(uint16_t* p, F x) {
     _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -416,6 +420,9 @@ struct Isa {
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x.v, x.v), 0xD8);
     _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
   }
+  static void store_u16x2(uint16_t* p, I x0, I x1) {  // 16 lanes (< 2^16) -> 16 uint16: one pack, one store
+    _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(_mm256_packus_epi32(x0.v, x1.v), 0xD8));
+  }
   static F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static void store_f16(uint16_t* p, F x) {
     _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -542,6 +549,10 @@ struct Isa {
   static void pack8n(uint8_t* p, const I* c) { pack8(p, c[0]); }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
+  static void store_u16x2(uint16_t* p, I x0, I x1) {
+    store_u16(p, x0);
+    store_u16(p + 1, x1);
+  }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
   static void store_f16(uint16_t* p, F x) { *p = f32_to_f16_rne(x); }
   static constexpr bool kFastPack = false;

@@ -329,6 +329,24 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
 // maxima. (The generic pass writes the old scales, the new values and re-reads both.) Only state
 // K's new value is used; the other state's math is dead code.
 // Plain: as in main_loop, the rule's flags checked once (Rule::plain), no branch per vector.
+// One vector of rank1_reduce: elements i .. i+W-1 of the tile, whose column scales and column
+// partial maxima start at col_scale, col_max.
+template <class Rule, int K, int IO, bool Plain>
+inline __attribute__((always_inline)) void rank1_vector(const StateIn& in, const float* p, const float* g, int64_t i,
+                                                        const float* col_scale, uint32_t* col_max, F row_scale,
+                                                        bool row_nan, const Scalars& h, I& row_max) {
+  const F col_j = Isa::load(col_scale);
+  const F scale = row_nan ? col_j : Isa::min_or(col_j, row_scale);
+  F P = Isa::load(p + i);
+  F S[2] = {F(0.0f), F(0.0f)};
+  S[K] = code_value<IO>(in, i) * scale;
+  if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + i), S[0], S[1], h);
+  else Rule::apply(P, Isa::load(g + i), S[0], S[1], h, true);
+  const I a = finite_abs_v(S[K]);
+  row_max = Isa::max_u(row_max, a);
+  Isa::store_i(col_max, Isa::max_u(Isa::load_i(col_max), a));
+}
+
 template <class Rule, int K, int IO, bool Plain = false>
 inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const float* p, const float* g,
                          uint32_t* partial, float* scratch, NextLines& next) {
@@ -351,18 +369,18 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
     uint32_t* col_max = partial + col;
     I row_max(0u);
     NextLines nx = next;  // (a local: the stores to col_max could alias it)
-    for (int64_t j = 0; j < len; j += W) {
-      if (((off + j) & 15) == 0) nx.step();  // pass 1 streams p and g: one line of each per 16 elements
-      const F col_j = Isa::load(col_scale + j);
-      const F scale = row_nan ? col_j : Isa::min_or(col_j, row_scale);
-      F P = Isa::load(p + off + j);
-      F S[2] = {F(0.0f), F(0.0f)};
-      S[K] = code_value<IO>(in, off + j) * scale;
-      if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + off + j), S[0], S[1], h);
-      else Rule::apply(P, Isa::load(g + off + j), S[0], S[1], h, true);
-      const I a = finite_abs_v(S[K]);
-      row_max = Isa::max_u(row_max, a);
-      Isa::store_i(col_max + j, Isa::max_u(Isa::load_i(col_max + j), a));
+    // pass 1 streams p and g: one line of each per 16 elements; the vectors of a chunk unrolled
+    int64_t j = 0;
+    for (; j + kMainChunk <= len; j += kMainChunk) {
+      for (int64_t q = 0; q < kMainChunk; q += 16) nx.step();
+#pragma GCC unroll 8
+      for (int64_t k = j; k < j + kMainChunk; k += W)
+        rank1_vector<Rule, K, IO, Plain>(in, p, g, off + k, col_scale + k, col_max + k, row_scale, row_nan, h,
+                                         row_max);
+    }
+    for (; j < len; j += W) {
+      if (((off + j) & 15) == 0) nx.step();
+      rank1_vector<Rule, K, IO, Plain>(in, p, g, off + j, col_scale + j, col_max + j, row_scale, row_nan, h, row_max);
     }
     next = nx;
     const uint32_t m = Isa::hmax_u(row_max);

@@ -77,6 +77,8 @@ inline void store_from_f32(void* dst, int32_t dtype, int64_t start, int64_t n, c
   int64_t i = 0;
   uint16_t* d = static_cast<uint16_t*>(dst) + start;
   if (dtype == kBF16) {
+    for (; i + 2 * W <= n; i += 2 * W)
+      Isa::store_u16x2(d + i, bf16_rne_bits(Isa::load(src + i)), bf16_rne_bits(Isa::load(src + i + W)));
     for (; i + W <= n; i += W) Isa::store_u16(d + i, bf16_rne_bits(Isa::load(src + i)));
     for (; i < n; ++i) d[i] = f32_to_bf16_rne(src[i]);
   } else {
