@@ -389,7 +389,7 @@ inline I block_absmax_lanes(const uint32_t* chunk_max, int64_t per_block, int nb
     }
     acc[b] = a;
   }
-  return Isa::hmax_lanes(acc);
+  return Isa::hmax_lanes(acc, nb);
 }
 
 // The new scales of the whole blocks of a tile (start a multiple of B, and B of kMainChunk), W
