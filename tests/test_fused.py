@@ -143,6 +143,23 @@ def test_codec_sweep_matches_reference(scale, map, bits, rounding, monkeypatch):
             _assert_same(ref, fus)
 
 
+@pytest.mark.parametrize("group_size", [16, 48, 96, 160])
+def test_block_sizes_around_the_main_loop_chunk_match_reference(group_size, monkeypatch):
+    # Single-pass block states take the register paths only when a block is whole 32-element
+    # main-loop chunks (one old scale per chunk, the block maxima from the chunks'): 96 and 160
+    # do, with 3 and 5 chunks per block and partial last chunks and blocks; 16 and 48 take the
+    # generic dequantize and quantize. Every ISA gives the reference's bits.
+    state = {"scale": "group", "group_size": group_size}
+    cfg = {"min_numel": 0, "states": {"exp_avg": {**state, "bits": 4, "signed": True},
+                                      "exp_avg_sq": {**state, "bits": 8, "signed": False}}}
+    shapes = [(4097,), (33, 130), (7, 1000), (3, 4, 32)]
+    make = RULES["adamw"](cfg)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = _run(make, shapes, dtype, 4, False)
+        for fus in _fused_on_each_isa(make, shapes, dtype, 4, monkeypatch):
+            _assert_same(ref, fus)
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("scale", ["rank1", "group", "dim1"])
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,7 +1,7 @@
 // The CPU tile kernels' fast quantizers (part 2 of 3 of the per-ISA step template, see
 // tile_codec.h): register-held search tables (Probe16, Search256), the arithmetic shortcuts
 // (midpoint grid, octave lines), FastQuantizer and quantize_fast for 4/8-bit states, and the
-// per-vector / per-element fills of old scales and new reciprocals they read.
+// per-element fills of old scales and new reciprocals and the vectorized block scales they read.
 
 // per-element values of a scale layout for the tile: scales combined with fmin (dequantize) or
 // reciprocals combined with fmax (quantize)
@@ -233,14 +233,16 @@ struct FastQuantizer {
       code_group(ns, c);
       return c[0];
     }
-    if constexpr (NEAR == kNearGrid) {
-      F y = n * grid_L - grid_c;
-      y = Isa::min_or(grid_cap, y);  // cap +inf (keeps NaN: min_or yields y when y is NaN)
-      return Isa::min_i(Isa::max_i(Isa::ceil_to_int(y), I(0u)), top);
-    }
+    if constexpr (NEAR == kNearGrid) return Isa::min_i(Isa::max_i(grid_raw(n), I(0u)), top);
     if constexpr (BITS == 4) return near.count<false>(n);
     else if constexpr (Isa::kPermute256) return near256.count<false>(n);
     else return count256<false>(near, st.codec.mids, n);
+  }
+  // kNearGrid: ceil(n * L - c) before the clamp to [0, levels - 1] (INT32_MIN for NaN)
+  I grid_raw(F n) const {
+    F y = n * grid_L - grid_c;
+    y = Isa::min_or(grid_cap, y);  // cap +inf (keeps NaN: min_or yields y when y is NaN)
+    return Isa::ceil_to_int(y);
   }
   I count_sr(F n) const {
     if constexpr (BITS == 4) return sr.count<true>(n);
@@ -332,7 +334,13 @@ struct FastQuantizer {
       const Norm nj = norm.shifted(j);
       const int64_t fj = first + j;
       uint8_t* const cj = codes + static_cast<uint64_t>(fj) * BITS / 8;
-      if constexpr (BITS == 4) {  // four vectors per packed store
+      if constexpr (BITS == 4 && NEAR == kNearGrid && !SR) {  // the grid's clamp in the pack
+        const uint32_t top_code = static_cast<uint32_t>(st.codec.levels - 1);
+#pragma GCC unroll 64
+        for (int64_t k = 0; k < kQuantizeStride; k += 4 * W)
+          Isa::pack4x4_clamp(cj + k / 2, grid_raw(nj(k)), grid_raw(nj(k + W)), grid_raw(nj(k + 2 * W)),
+                             grid_raw(nj(k + 3 * W)), top_code);
+      } else if constexpr (BITS == 4) {  // four vectors per packed store
 #pragma GCC unroll 64
         for (int64_t k = 0; k < kQuantizeStride; k += 4 * W)
           Isa::pack4x4(cj + k / 2, code(nj(k), fj + k), code(nj(k + W), fj + k + W),

@@ -268,6 +268,11 @@ struct Isa {
     pack4x2(p, c0, c1);
     pack4x2(p + W, c2, c3);
   }
+  // pack4x4 of the codes clamped to [0, top] (signed int lanes, top < 16)
+  static I clamp_code(I c, uint32_t top) { return min_i(max_i(c, I(0u)), I(top)); }
+  static void pack4x4_clamp(uint8_t* p, I c0, I c1, I c2, I c3, uint32_t top) {
+    pack4x4(p, clamp_code(c0, top), clamp_code(c1, top), clamp_code(c2, top), clamp_code(c3, top));
+  }
   static I unpack8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c.v)); }
   // table[code] for 16 packed 4-bit codes: vpermps reads only index bits 0..3, so each lane just
@@ -466,6 +471,16 @@ struct Isa {
                                                             0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
     _mm_storeu_si128((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
   }
+  // pack4x4 of the codes clamped to [0, top] (signed int lanes, top < 16): the unsigned-saturating
+  // packs clamp below at 0 (and above at 255), one byte min clamps at top, for four vectors
+  static void pack4x4_clamp(uint8_t* p, I c0, I c1, I c2, I c3, uint32_t top) {
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0.v, c1.v), _mm256_packus_epi32(c2.v, c3.v));
+    b = _mm256_min_epu8(b, _mm256_set1_epi8(static_cast<char>(top)));
+    const __m256i lo = _mm256_shuffle_epi8(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)),
+                                           _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                            0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storeu_si128((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
+  }
   static I unpack8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) {  // 8 codes (< 256) -> 8 bytes: byte 0 of each lane, halves or-ed
     const __m256i b = _mm256_shuffle_epi8(c.v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -560,6 +575,7 @@ struct Isa {
   static void pack4(uint8_t*, I) {}
   static void pack4x2(uint8_t*, I, I) {}
   static void pack4x4(uint8_t*, I, I, I, I) {}
+  static void pack4x4_clamp(uint8_t*, I, I, I, I, uint32_t) {}
   static I unpack8(const uint8_t*) { return 0u; }
   static void pack8(uint8_t*, I) {}
   static F lookup16_packed4(T16, const uint8_t*) { return 0.0f; }  // kFastPack is false

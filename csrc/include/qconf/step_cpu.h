@@ -5,7 +5,7 @@
 //   tile_codec.h     dtype loads/stores, packed codes, scale-layout walkers, dequantize, the
 //                    generic quantize, absmax reductions
 //   quantizer.h      the fast 4/8-bit quantizers (register tables, grid, octave lines) and the
-//                    per-vector / per-element scale fills
+//                    per-element scale fills and block scales
 //   step_pipeline.h  one tile through load -> dequantize -> rule -> quantize -> store, the
 //                    factor pass, and the per-ISA entry points run_items / run_codec_items
 //

@@ -312,7 +312,8 @@ void run_main_loop(float* p, const float* g, int io0, const StateIn& s0, int io1
 }
 
 // Whether the 4/8-bit register paths apply to this state in this tile: whole vectors, and every
-// single-pass block a multiple of the vector width (so no vector straddles two blocks).
+// single-pass block a multiple of kMainChunk (so no main-loop chunk straddles two blocks; other
+// block sizes take the generic dequantize and quantize).
 inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
   if (st.kind == kNone) return kIONone;
   if (st.kind == kFp32) return kIOF32;
