@@ -444,9 +444,9 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
                    NextLines& next, const uint32_t* chunk_max) {
   const FastQuantizer<BITS, SR, NEAR> q(st);
   if (!st.two_pass) {
-    // all the tile's new block scales first (a vector of blocks at a time where they are whole
-    // vectors, then any partial block), then one quantize loop over the tile with a reciprocal
-    // per vector
+    // all the tile's new block scales first (a vector of blocks at a time from the main loop's
+    // chunk maxima, then any partial block), then one quantize loop over the tile with a
+    // reciprocal per vector
     const int64_t B = st.codec.block;
     bool nonfinite = false;
     int64_t off = block_scales_lanes(st, start, n, x, chunk_max, rbuf, nonfinite);

@@ -76,6 +76,9 @@ struct Isa {
   static I min_i(I a, I b) { return _mm512_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm512_max_epi32(a.v, b.v); }
   static uint32_t hmax_u(I a) { return _mm512_reduce_max_epu32(a.v); }
+  // Whether block scales come from the main loop's chunk maxima, a vector of blocks at a time
+  // (quantizer.h block_scales_lanes); here a tile's 8 blocks of 128 fill half a vector
+  static constexpr bool kBlockMaxLanes = false;
   static I hmax_lanes(const I* v, int nb) {  // lane k: hmax_u(v[k]) for k < nb, 0 above
     alignas(64) uint32_t m[W];
     for (int k = 0; k < W; ++k) m[k] = k < nb ? hmax_u(v[k]) : 0u;
@@ -360,6 +363,7 @@ struct Isa {
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
     return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
   }
+  static constexpr bool kBlockMaxLanes = true;  // (quantizer.h block_scales_lanes)
   // lane k: hmax_u(v[k]), k < 8 (v[k] = 0 for k >= nb): pairs of vectors interleaved and maxed (a
   // transpose that halves each time), 21 operations for 8 maxima against 7 each
   static I hmax_lanes(const I* v, int) {
@@ -535,6 +539,7 @@ struct Isa {
   static I min_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
   static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
   static uint32_t hmax_u(I a) { return a; }
+  static constexpr bool kBlockMaxLanes = false;
   static I hmax_lanes(const I* v, int) { return v[0]; }
   static F fmin_nan(F a, F b) { return qconf::fmin_nan(a, b); }
   static F fmax_nan(F a, F b) { return qconf::fmax_nan(a, b); }

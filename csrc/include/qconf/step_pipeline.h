@@ -19,7 +19,7 @@ struct Buffers {
   float* g;
   float* p;
   float* s[2];   // new state values
-  float* sc[2];  // old scales, then reciprocals (per vector or per element)
+  float* sc[2];  // old scales (per chunk or per element), then new reciprocals (per vector or per element)
   float* vhat;
   uint32_t* codes;
   uint32_t* chunk_max[2];  // kIOQ*B: per main-loop chunk, the lane-wise max of the new values' |bits|
@@ -180,10 +180,10 @@ struct ChunkIn {
   }
   // the new values' |bits| (raw_absmax_bits' terms) folded into the chunk's lane-wise max
   void fold(I& acc, F x) const {
-    if constexpr (io_chunk_scale(IO)) acc = Isa::max_u(acc, Isa::bits(x) & I(0x7fffffffu));
+    if constexpr (io_chunk_scale(IO) && Isa::kBlockMaxLanes) acc = Isa::max_u(acc, Isa::bits(x) & I(0x7fffffffu));
   }
   void finish(I acc) const {
-    if constexpr (io_chunk_scale(IO)) Isa::store_i(chunk_max, acc);
+    if constexpr (io_chunk_scale(IO) && Isa::kBlockMaxLanes) Isa::store_i(chunk_max, acc);
   }
 };
 
@@ -325,11 +325,6 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
 
 
 // ---------------------------------------------------------------------------------------------
-// Pass 1 of a rank-1 state with 4/8-bit codes, in one loop per row run: old scale
-// min(row, col) -> dequantize -> rule -> fold |new| into the row's and the columns' partial
-// maxima. (The generic pass writes the old scales, the new values and re-reads both.) Only state
-// K's new value is used; the other state's math is dead code.
-// Plain: as in main_loop, the rule's flags checked once (Rule::plain), no branch per vector.
 // One vector of rank1_reduce: elements i .. i+W-1 of the tile, whose column scales and column
 // partial maxima start at col_scale, col_max.
 template <class Rule, int K, int IO, bool Plain>
@@ -348,6 +343,11 @@ inline __attribute__((always_inline)) void rank1_vector(const StateIn& in, const
   Isa::store_i(col_max, Isa::max_u(Isa::load_i(col_max), a));
 }
 
+// Pass 1 of a rank-1 state with 4/8-bit codes, in one loop per row run: old scale
+// min(row, col) -> dequantize -> rule -> fold |new| into the row's and the columns' partial
+// maxima. (The generic pass writes the old scales, the new values and re-reads both.) Only state
+// K's new value is used; the other state's math is dead code.
+// Plain: as in main_loop, the rule's flags checked once (Rule::plain), no branch per vector.
 template <class Rule, int K, int IO, bool Plain = false>
 inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const float* p, const float* g,
                          uint32_t* partial, float* scratch, NextLines& next) {
@@ -558,7 +558,8 @@ inline __attribute__((always_inline)) void quantize_states(const TensorDesc& t, 
     const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[kLinesForm]);
     const float* x = b.s[k];
     float* rbuf = b.sc[k];
-    const uint32_t* cmax = b.chunk_max[k];  // (single-pass states: written by the main loop)
+    // (single-pass states: written by the main loop where the ISA takes its block scales from them)
+    const uint32_t* cmax = Isa::kBlockMaxLanes ? b.chunk_max[k] : nullptr;
     if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, x, rbuf, b.next, cmax)
                       : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, x, rbuf, b.next, cmax)
                              : quantize_fast<4, false>(st, t, start, n, x, rbuf, b.next, cmax);
