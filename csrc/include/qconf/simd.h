@@ -465,25 +465,27 @@ struct Isa {
                                                            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
     _mm_storel_epi64((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
   }
-  static void pack4x4(uint8_t* p, I c0, I c1, I c2, I c3) {  // 32 codes -> 16 bytes
-    // bytes of 128-bit lane L: c0[4L..4L+3], c1[..], c2[..], c3[..]; each byte pair (2j, 2j+1)
-    // becomes the low byte of word | word >> 4, those go to the lane's first 8 bytes (a word per
-    // vector), and the two lanes' words interleaved put each vector's 4 bytes in order
-    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0.v, c1.v), _mm256_packus_epi32(c2.v, c3.v));
+  // 4 vectors of codes as bytes, saturated to [0, 255]: bytes of 128-bit lane L are c0[4L..4L+3],
+  // c1[..], c2[..], c3[..] (the packs keep the lanes apart)
+  static __m256i code_bytes4(I c0, I c1, I c2, I c3) {
+    return _mm256_packus_epi16(_mm256_packus_epi32(c0.v, c1.v), _mm256_packus_epi32(c2.v, c3.v));
+  }
+  // code_bytes4's 32 bytes (< 16) -> 16 bytes of nibbles: each byte pair (2j, 2j+1) becomes the low
+  // byte of word | word >> 4, those go to the lane's first 8 bytes (a word per vector), and the two
+  // lanes' words interleaved put each vector's 4 bytes in order
+  static void store_nibbles(uint8_t* p, __m256i b) {
     const __m256i lo = _mm256_shuffle_epi8(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)),
                                            _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
                                                             0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
     _mm_storeu_si128((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
   }
+  static void pack4x4(uint8_t* p, I c0, I c1, I c2, I c3) {  // 32 codes -> 16 bytes
+    store_nibbles(p, code_bytes4(c0, c1, c2, c3));
+  }
   // pack4x4 of the codes clamped to [0, top] (signed int lanes, top < 16): the unsigned-saturating
   // packs clamp below at 0 (and above at 255), one byte min clamps at top, for four vectors
   static void pack4x4_clamp(uint8_t* p, I c0, I c1, I c2, I c3, uint32_t top) {
-    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(c0.v, c1.v), _mm256_packus_epi32(c2.v, c3.v));
-    b = _mm256_min_epu8(b, _mm256_set1_epi8(static_cast<char>(top)));
-    const __m256i lo = _mm256_shuffle_epi8(_mm256_or_si256(b, _mm256_srli_epi16(b, 4)),
-                                           _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                            0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1));
-    _mm_storeu_si128((__m128i*)p, _mm_unpacklo_epi16(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
+    store_nibbles(p, _mm256_min_epu8(code_bytes4(c0, c1, c2, c3), _mm256_set1_epi8(static_cast<char>(top))));
   }
   static I unpack8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) {  // 8 codes (< 256) -> 8 bytes: byte 0 of each lane, halves or-ed
