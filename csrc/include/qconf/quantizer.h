@@ -400,6 +400,13 @@ inline I block_absmax_lanes(const uint32_t* chunk_max, int64_t per_block, int nb
   return Isa::hmax_lanes(acc, nb);
 }
 
+// rbuf's per-vector reciprocals of elements off .. off+len-1 of the tile: r, in whole-register
+// stores (a block's last store may run up to W-1 entries past its vectors; Buffers has room)
+inline void fill_recip_per_vector(float* rbuf, int64_t off, int64_t len, float r) {
+  const F rv(r);
+  for (int64_t v = off / W; v < (off + len) / W; v += W) Isa::store(rbuf + v, rv);
+}
+
 // The new scales of the whole blocks of a tile (start a multiple of B, and B of kMainChunk), W
 // blocks at a time: st.scales and one reciprocal per vector in rbuf, as the per-block loop of
 // quantize_fast gives them (scale_from_absmax_bits, run_recip), for a vector of blocks at once.
@@ -408,7 +415,7 @@ inline I block_absmax_lanes(const uint32_t* chunk_max, int64_t per_block, int nb
 inline int64_t block_scales_lanes(const StateDesc& st, int64_t start, int64_t n, const float* x,
                                   const uint32_t* chunk_max, float* rbuf, bool& nonfinite) {
   const int64_t B = st.codec.block;
-  if (W == 1 || chunk_max == nullptr || B % kMainChunk != 0 || start % B != 0) return 0;
+  if (!Isa::kBlockMaxLanes || B % kMainChunk != 0 || start % B != 0) return 0;
   const int64_t blocks = n / B, first_block = start / B, per_block = B / kMainChunk;
   const I min_bits(0x00800000u);  // FLT_MIN
   alignas(64) uint32_t mv[W];
@@ -431,9 +438,7 @@ inline int64_t block_scales_lanes(const StateDesc& st, int64_t start, int64_t n,
     Isa::store(rv, Isa::select(zero, F(0.0f), qdiv(F(1.0f), s)));
     for (int b = 0; b < nb; ++b) {
       st.scales[first_block + b0 + b] = sv[b];
-      const F r(rv[b]);  // per vector; whole-register stores (Buffers has room to spare)
-      const int64_t v0 = (b0 + b) * B / W;
-      for (int64_t v = v0; v < v0 + B / W; v += W) Isa::store(rbuf + v, r);
+      fill_recip_per_vector(rbuf, (b0 + b) * B, B, rv[b]);
     }
   }
   return blocks * B;
@@ -457,8 +462,7 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
       nonfinite = nonfinite || m >= 0x7f800000u;
       const float s = scale_from_absmax_bits(m < 0x7f800000u ? m : finite_absmax_bits(x + off, len));
       st.scales[blk] = s;
-      const F r(run_recip(s));  // per vector; whole-register stores (Buffers has room to spare)
-      for (int64_t v = off / W; v < (off + len) / W; v += W) Isa::store(rbuf + v, r);
+      fill_recip_per_vector(rbuf, off, len, run_recip(s));
       off += len;
     }
     q.run(typename FastQuantizer<BITS, SR, NEAR>::PerVector{x, rbuf}, n, start, next);

@@ -77,7 +77,8 @@ struct Isa {
   static I max_i(I a, I b) { return _mm512_max_epi32(a.v, b.v); }
   static uint32_t hmax_u(I a) { return _mm512_reduce_max_epu32(a.v); }
   // Whether block scales come from the main loop's chunk maxima, a vector of blocks at a time
-  // (quantizer.h block_scales_lanes); here a tile's 8 blocks of 128 fill half a vector
+  // (quantizer.h block_scales_lanes); here a tile's 8 blocks of 128 fill half a vector, so no
+  // (hmax_lanes: the same interface, unused while this is false)
   static constexpr bool kBlockMaxLanes = false;
   static I hmax_lanes(const I* v, int nb) {  // lane k: hmax_u(v[k]) for k < nb, 0 above
     alignas(64) uint32_t m[W];

@@ -558,8 +558,7 @@ inline __attribute__((always_inline)) void quantize_states(const TensorDesc& t, 
     const int lines = sr || grid ? 0 : static_cast<int>(st.codec.lines[kLinesForm]);
     const float* x = b.s[k];
     float* rbuf = b.sc[k];
-    // (single-pass states: written by the main loop where the ISA takes its block scales from them)
-    const uint32_t* cmax = Isa::kBlockMaxLanes ? b.chunk_max[k] : nullptr;
+    const uint32_t* cmax = b.chunk_max[k];  // (written by the main loop where Isa::kBlockMaxLanes)
     if (io_q4(io[k])) sr ? quantize_fast<4, true>(st, t, start, n, x, rbuf, b.next, cmax)
                       : grid ? quantize_fast<4, false, kNearGrid>(st, t, start, n, x, rbuf, b.next, cmax)
                              : quantize_fast<4, false>(st, t, start, n, x, rbuf, b.next, cmax);
