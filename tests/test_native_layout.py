@@ -40,6 +40,8 @@ KEYS = {
     "scale.block", "scale.dim1", "scale.rank1",
     "rule.adam", "rule.sgd", "rule.lion",
     "weights.stochastic", "weights.kahan",
+    "lines.seg_bounds", "lines.seg_slope", "lines.seg_offset", "lines.seg_cap", "lines.seg_top", "lines.seg_eps",
+    "lines.seg_present",
     "table.rows", "table.size", "max_dims",
 }
 SEED = 1234
@@ -66,6 +68,9 @@ def test_layout_keys_and_self_consistency(L):
     assert sorted(codec) == list(range(L["codec.len"]))
     assert L["encode.len"] == L["codec.len"] + 1 and 0 <= L["encode.num_scales"] < L["encode.len"]
     assert L["encode.num_scales"] not in codec
+    # the segment-line fields of the codec table's lines row: in order, inside the row
+    seg = [L[f"lines.seg_{k}"] for k in ("bounds", "slope", "offset", "cap", "top", "eps", "present")]
+    assert seg == sorted(seg) and seg[-1] < L["table.size"]
     for group in ("kind", "scale", "rule"):
         values = [v for k, v in L.items() if k.startswith(group + ".")]
         assert len(set(values)) == len(values), group

@@ -325,7 +325,16 @@ QCONF_HD void finalize_scale(const uint32_t* partial, int64_t num_scales, int pa
 // arithmetic shortcuts that the codec table enables only where they are exact for every input
 // (the midpoint grid, the octave lines: qconf/codec/native.py). The CPU's FastQuantizer and the
 // specialized CUDA step (spec.h) take it as a template parameter.
-enum Near : int { kNearSearch = 0, kNearGrid = 1, kNearLinesUnsigned = 2, kNearLinesSigned = 3 };
+// (kNearSegments*: the segment lines, qconf/codec/segment_lines.py; only the AVX2 kernels'
+// FastQuantizer takes them.)
+enum Near : int {
+  kNearSearch = 0,
+  kNearGrid = 1,
+  kNearLinesUnsigned = 2,
+  kNearLinesSigned = 3,
+  kNearSegmentsUnsigned = 4,
+  kNearSegmentsSigned = 5
+};
 //
 // Tables are padded to 256 entries: `mids` holds the L-1 fp32 midpoints then +inf, `qsearch` the
 // L map values then +inf, `qmap` the L map values (codes never exceed L-1).

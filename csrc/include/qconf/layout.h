@@ -138,6 +138,17 @@ constexpr int kLinesSlope2 = 64;
 constexpr int kLinesOffset2 = 96;
 constexpr int kLinesMirror = 160;
 constexpr int kLinesForm = 161;
+// also inside kRowLines, for 8-bit maps whose positive midpoints lie on at most 8 lines
+// (qconf/codec/segment_lines.py, which has the same offsets): the bounds B[1..7] (+inf padded, 9
+// entries), per segment the slope, offset, cap and junction point (8 each), the probe window
+// eps, and 1.0 when present (the AVX2 kernels' 8-bit nearest rounding, quantizer.h)
+constexpr int kSegBounds = 162;
+constexpr int kSegSlope = 171;
+constexpr int kSegOffset = 179;
+constexpr int kSegCap = 187;
+constexpr int kSegTop = 195;
+constexpr int kSegEps = 203;
+constexpr int kSegPresent = 204;
 
 // ---------------------------------------------------------------------------------------------
 // what torch.ops.qconf.layout() returns (host code only: not in the run-time compiled kernels)
@@ -205,6 +216,13 @@ constexpr LayoutEntry kLayout[] = {
     {"rule.lion", kRuleLion},
     {"weights.stochastic", kWeightsStochastic},
     {"weights.kahan", kWeightsKahan},
+    {"lines.seg_bounds", kSegBounds},
+    {"lines.seg_slope", kSegSlope},
+    {"lines.seg_offset", kSegOffset},
+    {"lines.seg_cap", kSegCap},
+    {"lines.seg_top", kSegTop},
+    {"lines.seg_eps", kSegEps},
+    {"lines.seg_present", kSegPresent},
     {"table.rows", kTableRows},
     {"table.size", kTableSize},
     {"max_dims", kMaxDims},

@@ -182,28 +182,40 @@ struct FastQuantizer {
         slope2(Isa::table32(s.codec.lines + kLinesSlope2)),
         offset2(Isa::table32(s.codec.lines + kLinesOffset2)),
         mirror(s.codec.lines[kLinesMirror]),
-        mids256(Isa::table256p(s.codec.mids, s.codec.mids_words, s.codec.mids_bytes)) {}
+        mids256(Isa::table256p(s.codec.mids, s.codec.mids_words, s.codec.mids_bytes)),
+        seg_b1(Isa::table8(s.codec.lines + kSegBounds)),
+        seg_b2(Isa::table8(s.codec.lines + kSegBounds + 1)),
+        seg_slope(Isa::table8(s.codec.lines + kSegSlope)),
+        seg_offset(Isa::table8(s.codec.lines + kSegOffset)),
+        seg_cap(Isa::table8(s.codec.lines + kSegCap)),
+        seg_top(Isa::table8(s.codec.lines + kSegTop)),
+        seg_b4(s.codec.lines[kSegBounds + 3]),
+        seg_eps(s.codec.lines[kSegEps]) {}
   F grid_L, grid_c, grid_cap;
   I top;
   Isa::T32 slope1, offset1, slope2, offset2;
   F mirror;
   Isa::T256P mids256;
+  Isa::T8 seg_b1, seg_b2, seg_slope, seg_offset, seg_cap, seg_top;  // kNearSegments*
+  F seg_b4, seg_eps;
   static constexpr bool kLines = NEAR == kNearLinesUnsigned || NEAR == kNearLinesSigned;
+  static constexpr bool kSegments = NEAR == kNearSegmentsUnsigned || NEAR == kNearSegmentsSigned;
+  static constexpr bool kSigned = NEAR == kNearLinesSigned || NEAR == kNearSegmentsSigned;
+
+  // the lines' argument: a = max(n, 2^-31) (NaN, negatives -> 2^-31) for unsigned maps, |n| for
+  // signed ones (NaN stays), capped below 2
+  static F line_arg(F n) {
+    if constexpr (kSigned) return Isa::min_or(F(1.99999988f), Isa::abs(n));
+    else return Isa::min_or(F(1.99999988f), Isa::max_or(n, F(4.65661287e-10f)));
+  }
 
   // kNearLines*: the line estimate r; the code is r or r + 1
   I line_index(F n) const {
     static_assert(BITS == 8 && Isa::kTable32, "octave lines index 32-entry register tables");
-    // a = max(n, 2^-31) (NaN, negatives -> 2^-31) or |n|, capped below 2 (NaN stays); its
-    // biased exponent, at least 96, is the octave (the permutes read it mod 32)
-    F a;
-    I o;
-    if constexpr (NEAR == kNearLinesUnsigned) {
-      a = Isa::min_or(F(1.99999988f), Isa::max_or(n, F(4.65661287e-10f)));
-      o = Isa::bits(a) >> 23;
-    } else {
-      a = Isa::min_or(F(1.99999988f), Isa::from_bits(Isa::bits(n) & I(0x7fffffffu)));
-      o = Isa::max_i(Isa::bits(a) >> 23, I(96u));
-    }
+    // a's biased exponent, at least 96, is the octave (the permutes read it mod 32)
+    const F a = line_arg(n);
+    I o = Isa::bits(a) >> 23;
+    if constexpr (kSigned) o = Isa::max_i(o, I(96u));
     // the smaller of the octave's two lines (one line: the same twice), each one fused
     // multiply-add; NaN stays NaN
     F j = Isa::min_or(qfma(a, Isa::lookup32(slope1, o), Isa::lookup32(offset1, o)),
@@ -225,7 +237,33 @@ struct FastQuantizer {
     for (int h = 0; h < G; ++h) c[h] = Isa::inc_if(Isa::lt(m[h], n[h]), r[h]);
   }
 
+  // kNearSegments* (qconf/codec/segment_lines.py): the segment d = #{s : B[s] <= a} by a
+  // 3-level search (B[4], then B[d + 2], then B[d + 1]); j = its line capped at T[d] (a signed
+  // map's junction point itself at T[d] + 1/2), mirrored for negative n; the code is ceil(j),
+  // or, for the rare j within eps of an integer, r = rint(j) plus one probe of the midpoints.
+  // Not clamped (NaN gives INT32_MIN): the stores saturate to [0, 255] (segment_lines proves
+  // the clamped codes).
+  I segment_code(F n) const {
+    const F a = line_arg(n);
+    I d = Isa::mask_i(Isa::le(seg_b4, a)) & I(4u);
+    d = Isa::add_if(Isa::le(Isa::lookup8(seg_b2, d), a), d, I(2u));
+    d = Isa::inc_if(Isa::le(Isa::lookup8(seg_b1, d), a), d);
+    F cap = Isa::lookup8(seg_cap, d);
+    if constexpr (kSigned) cap = cap + Isa::select(Isa::eq(a, Isa::lookup8(seg_top, d)), F(0.5f), F(0.0f));
+    F j = Isa::min_or(cap, qfma(a, Isa::lookup8(seg_slope, d), Isa::lookup8(seg_offset, d)));  // (NaN stays)
+    if constexpr (kSigned) j = Isa::select(Isa::lt(n, F(0.0f)), mirror - j, j);
+    const F jr = Isa::round_even(j);
+    const auto near_int = Isa::le(Isa::abs(j - jr), seg_eps);  // (j - jr is exact)
+    I code = Isa::ceil_to_int(j);  // NaN -> INT32_MIN
+    if (__builtin_expect(Isa::any(near_int), 0)) {
+      const I rp = Isa::min_i(Isa::max_i(Isa::integral_to_int(jr), I(0u)), top);
+      code = Isa::select_i(near_int, Isa::inc_if(Isa::lt(Isa::gather(st.codec.mids, rp), n), rp), code);
+    }
+    return code;
+  }
+
   I count_near(F n) const {
+    if constexpr (kSegments) return segment_code(n);
     if constexpr (kLines) {  // (a tile's last vectors, fewer than a group)
       F ns[Isa::kGroup];
       I c[Isa::kGroup];
@@ -269,6 +307,7 @@ struct FastQuantizer {
 
   static void store(uint8_t* codes, I code, int64_t e) {  // (e >= 0: an unsigned halving is one shift)
     if constexpr (BITS == 4) Isa::pack4(codes + static_cast<uint64_t>(e) / 2, code);
+    else if constexpr (kSegments) Isa::pack8(codes + e, Isa::min_i(Isa::max_i(code, I(0u)), I(255u)));  // (as pack8x4_sat)
     else Isa::pack8(codes + e, code);
   }
 
@@ -276,7 +315,8 @@ struct FastQuantizer {
   // grid (NaN converts to INT32_MIN and clamps to code 0; its maps have mids[0] > 0, so 0 gets
   // code 0 too) and the unsigned octave lines (max_or(NaN, 2^-31) = max_or(0, 2^-31), and the
   // probe mid[r] < n is false for both, as every midpoint is positive).
-  static constexpr bool kNanCodesLikeZero = !SR && (NEAR == kNearGrid || NEAR == kNearLinesUnsigned);
+  static constexpr bool kNanCodesLikeZero =
+      !SR && (NEAR == kNearGrid || NEAR == kNearLinesUnsigned || NEAR == kNearSegmentsUnsigned);
 
   // normalized values of vector j: one reciprocal per vector (0 for a zero block: 0 * 0
   // normalizes to 0 like the reference), or per element (inf marks a zero scale). NaN products
@@ -340,6 +380,11 @@ struct FastQuantizer {
         for (int64_t k = 0; k < kQuantizeStride; k += 4 * W)
           Isa::pack4x4_clamp(cj + k / 2, grid_raw(nj(k)), grid_raw(nj(k + W)), grid_raw(nj(k + 2 * W)),
                              grid_raw(nj(k + 3 * W)), top_code);
+      } else if constexpr (kSegments) {  // four vectors per store, clamped by saturation
+#pragma GCC unroll 64
+        for (int64_t k = 0; k < kQuantizeStride; k += 4 * W)
+          Isa::pack8x4_sat(cj + k, count_near(nj(k)), count_near(nj(k + W)), count_near(nj(k + 2 * W)),
+                           count_near(nj(k + 3 * W)));
       } else if constexpr (BITS == 4) {  // four vectors per packed store
 #pragma GCC unroll 64
         for (int64_t k = 0; k < kQuantizeStride; k += 4 * W)
@@ -473,11 +518,18 @@ void quantize_fast(const StateDesc& st, const TensorDesc& t, int64_t start, int6
   }
 }
 
-// 8-bit nearest rounding by octave lines when the codec has them (form 1 or 2) and the ISA
-// holds 32-entry tables in registers (AVX2 probes the midpoints with a gather, AVX-512 with
-// byte-plane permutes); false: the caller searches
+// 8-bit nearest rounding by segment lines (AVX2, where the codec has them) or octave lines when
+// the codec has them (form 1 or 2) and the ISA holds 32-entry tables in registers (AVX-512 probes
+// the midpoints with byte-plane permutes); false: the caller searches
 inline bool quantize_lines(int form, const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n,
                            const float* x, float* rbuf, NextLines& next, const uint32_t* chunk_max) {
+  if constexpr (Isa::kSegmentLines) {
+    if (st.codec.lines[kSegPresent] == 1.0f && (form == 1 || form == 2)) {
+      if (form == 1) quantize_fast<8, false, kNearSegmentsUnsigned>(st, t, start, n, x, rbuf, next, chunk_max);
+      else quantize_fast<8, false, kNearSegmentsSigned>(st, t, start, n, x, rbuf, next, chunk_max);
+      return true;
+    }
+  }
   if constexpr (Isa::kTable32) {
     if (form == 1) quantize_fast<8, false, kNearLinesUnsigned>(st, t, start, n, x, rbuf, next, chunk_max);
     if (form == 2) quantize_fast<8, false, kNearLinesSigned>(st, t, start, n, x, rbuf, next, chunk_max);

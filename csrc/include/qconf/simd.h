@@ -59,9 +59,15 @@ struct Isa {
   static I ceil_to_int(F x) { return _mm512_cvt_roundps_epi32(x.v, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   // x rounded half to even as int32 (whatever the MXCSR mode); NaN / out of range -> INT32_MIN
   static I rint_to_int(F x) { return _mm512_cvt_roundps_epi32(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // x rounded half to even (an integral float; NaN stays NaN), and an integral x as int32
+  static F round_even(F x) { return _mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static I integral_to_int(F x) { return _mm512_cvttps_epi32(x.v); }  // NaN -> INT32_MIN
+  static F abs(F x) { return _mm512_abs_ps(x.v); }
+  static bool any(M m) { return m != 0; }
   static M lt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ); }
   static M le(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LE_OQ); }
   static M gt(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
+  static M eq(F a, F b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
   static M isnan(F a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
   static M eq_i(I a, I b) { return _mm512_cmpeq_epi32_mask(a.v, b.v); }
   static M lt_i(I a, I b) { return _mm512_cmplt_epi32_mask(a.v, b.v); }  // signed
@@ -107,6 +113,9 @@ struct Isa {
   // 32- and 256-entry tables in registers (vpermt2ps): gathers cost ~19 cycles on Zen 4
   static constexpr bool kPermute256 = true;
   static constexpr bool kTable32 = true;  // lookup32 is register permutes (octave lines)
+  // 8-bit nearest rounding by segment lines where the codec has them (quantizer.h): no, the
+  // octave lines' single-permute lookups and byte-plane probe are as cheap here
+  static constexpr bool kSegmentLines = false;
   struct T32 {
     __m512 lo, hi;
   };
@@ -279,6 +288,12 @@ struct Isa {
   }
   static I unpack8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
   static void pack8(uint8_t* p, I c) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(c.v)); }
+  // 4 vectors of int32 codes -> 4 W bytes in order, each clamped to [0, 255]
+  static void pack8x4_sat(uint8_t* p, I c0, I c1, I c2, I c3) {
+    const I c[4] = {c0, c1, c2, c3};
+    for (int h = 0; h < 4; ++h)
+      _mm_storeu_si128((__m128i*)(p + 16 * h), _mm512_cvtusepi32_epi8(_mm512_max_epi32(c[h].v, _mm512_setzero_si512())));
+  }
   // table[code] for 16 packed 4-bit codes: vpermps reads only index bits 0..3, so each lane just
   // needs its nibble at the bottom: byte k of the 8 goes to lanes 2k, 2k+1 (vpshufb inside the
   // 128-bit lanes of a broadcast), then odd lanes shift right by 4.
@@ -342,10 +357,15 @@ struct Isa {
   static F from_bits(I x) { return _mm256_castsi256_ps(x.v); }
   static F to_float(I x) { return _mm256_cvtepi32_ps(x.v); }
   static I ceil_to_int(F x) { return _mm256_cvttps_epi32(_mm256_ceil_ps(x.v)); }
-  static I rint_to_int(F x) { return _mm256_cvttps_epi32(_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+  static F round_even(F x) { return _mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static I integral_to_int(F x) { return _mm256_cvttps_epi32(x.v); }  // NaN -> INT32_MIN
+  static I rint_to_int(F x) { return integral_to_int(round_even(x)); }
+  static F abs(F x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x.v); }
+  static bool any(M m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)) != 0; }
   static M lt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)); }
   static M le(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_LE_OQ)); }
   static M gt(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)); }
+  static M eq(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)); }
   static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)); }
   static M eq_i(I a, I b) { return _mm256_cmpeq_epi32(a.v, b.v); }
   static M lt_i(I a, I b) { return _mm256_cmpgt_epi32(b.v, a.v); }  // signed
@@ -400,6 +420,9 @@ struct Isa {
   static F gather(const float* base, I idx) { return _mm256_i32gather_ps(base, idx.v, 4); }
   static constexpr bool kPermute256 = false;
   static constexpr bool kTable32 = true;
+  // 8-bit nearest rounding by segment lines (quantizer.h): 8-entry tables, one vpermps each, and
+  // a midpoint gather only for the rare values near a code boundary
+  static constexpr bool kSegmentLines = true;
   // 32-entry tables in four registers: index bits 0..2 by vpermps, bits 3 and 4 by blends
   struct T32 {
     __m256 r[4];
@@ -489,6 +512,12 @@ struct Isa {
     store_nibbles(p, _mm256_min_epu8(code_bytes4(c0, c1, c2, c3), _mm256_set1_epi8(static_cast<char>(top))));
   }
   static I unpack8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+  // 4 vectors of int32 codes (below 2^15) -> 32 bytes in order, each clamped to [0, 255] by the
+  // saturating packs; code_bytes4's dwords (c0..c3 of each lane's half) put in order by one vpermd
+  static void pack8x4_sat(uint8_t* p, I c0, I c1, I c2, I c3) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i*)p, _mm256_permutevar8x32_epi32(code_bytes4(c0, c1, c2, c3), order));
+  }
   static void pack8(uint8_t* p, I c) {  // 8 codes (< 256) -> 8 bytes: byte 0 of each lane, halves or-ed
     const __m256i b = _mm256_shuffle_epi8(c.v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                                                   -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1,
@@ -519,16 +548,23 @@ struct Isa {
     return (x >= -2147483648.0f && x < 2147483648.0f) ? static_cast<uint32_t>(static_cast<int32_t>(std::ceil(x)))
                                                       : 0x80000000u;
   }
-  static I rint_to_int(F x) {  // half to even, independent of the FP environment
-    if (!(x >= -2147483648.0f && x < 2147483648.0f)) return 0x80000000u;
+  static F round_even(F x) {  // half to even, independent of the FP environment; NaN, inf stay
+    if (!(std::fabs(x) < 8388608.0f)) return x;  // (from 2^23 on every float is integral)
     float f = std::floor(x);
     const float d = x - f;  // exact
     if (d > 0.5f || (d == 0.5f && std::fmod(f, 2.0f) != 0.0f)) f += 1.0f;
-    return static_cast<uint32_t>(static_cast<int32_t>(f));
+    return f;
   }
+  static I integral_to_int(F x) {  // as the x86 conversion: NaN / out of range -> INT32_MIN
+    return (x >= -2147483648.0f && x < 2147483648.0f) ? static_cast<uint32_t>(static_cast<int32_t>(x)) : 0x80000000u;
+  }
+  static I rint_to_int(F x) { return integral_to_int(round_even(x)); }
+  static F abs(F x) { return std::fabs(x); }
+  static bool any(M m) { return m; }
   static M lt(F a, F b) { return a < b; }
   static M le(F a, F b) { return a <= b; }
   static M gt(F a, F b) { return a > b; }
+  static M eq(F a, F b) { return a == b; }
   static M isnan(F a) { return a != a; }
   static M eq_i(I a, I b) { return a == b; }
   static M lt_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b); }
@@ -558,6 +594,7 @@ struct Isa {
   static F gather(const float* base, I idx) { return base[idx]; }
   static constexpr bool kPermute256 = false;
   static constexpr bool kTable32 = false;
+  static constexpr bool kSegmentLines = false;
   using T32 = const float*;
   static T32 table32(const float* t) { return t; }
   static F lookup32(T32 t, I idx) { return t[idx]; }
@@ -586,6 +623,7 @@ struct Isa {
   static void pack4x4_clamp(uint8_t*, I, I, I, I, uint32_t) {}
   static I unpack8(const uint8_t*) { return 0u; }
   static void pack8(uint8_t*, I) {}
+  static void pack8x4_sat(uint8_t*, I, I, I, I) {}
   static F lookup16_packed4(T16, const uint8_t*) { return 0.0f; }  // kFastPack is false
   static T16 scale16(T16 t, F) { return t; }  // (unused: kFastPack is false, so no state reads packed codes)
 };
