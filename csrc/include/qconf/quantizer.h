@@ -313,8 +313,9 @@ struct FastQuantizer {
 
   // Whether a NaN n already gets the code of 0, so the normalizers need not map NaN to 0: the
   // grid (NaN converts to INT32_MIN and clamps to code 0; its maps have mids[0] > 0, so 0 gets
-  // code 0 too) and the unsigned octave lines (max_or(NaN, 2^-31) = max_or(0, 2^-31), and the
-  // probe mid[r] < n is false for both, as every midpoint is positive).
+  // code 0 too) and the unsigned octave and segment lines (max_or(NaN, 2^-31) = max_or(0, 2^-31),
+  // and the probe mid[r] < n is false for both, as every midpoint is positive; segment_lines
+  // checks NaN's code as well).
   static constexpr bool kNanCodesLikeZero =
       !SR && (NEAR == kNearGrid || NEAR == kNearLinesUnsigned || NEAR == kNearSegmentsUnsigned);
 
