@@ -78,6 +78,7 @@ struct Isa {
   static I add_if(M m, I a, I b) { return _mm512_mask_add_epi32(a.v, m, a.v, b.v); }
   static I inc_if(M m, I a) { return add_if(m, a, I(1u)); }  // a + 1 where m
   static I mask_i(M m) { return _mm512_movm_epi32(m); }    // all-ones lanes where m, else 0
+  static I keep_if(M m, I a) { return _mm512_maskz_mov_epi32(m, a.v); }  // a where m, else 0
   static I max_u(I a, I b) { return _mm512_max_epu32(a.v, b.v); }
   static I min_i(I a, I b) { return _mm512_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm512_max_epi32(a.v, b.v); }
@@ -375,6 +376,7 @@ struct Isa {
   static I add_if(M m, I a, I b) { return _mm256_add_epi32(a.v, _mm256_and_si256(m, b.v)); }
   static I inc_if(M m, I a) { return _mm256_sub_epi32(a.v, m); }  // a + 1 where m (m = -1)
   static I mask_i(M m) { return m; }
+  static I keep_if(M m, I a) { return _mm256_and_si256(m, a.v); }  // a where m, else 0
   static I max_u(I a, I b) { return _mm256_max_epu32(a.v, b.v); }
   static I min_i(I a, I b) { return _mm256_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm256_max_epi32(a.v, b.v); }
@@ -574,6 +576,7 @@ struct Isa {
   static I add_if(M m, I a, I b) { return m ? a + b : a; }
   static I inc_if(M m, I a) { return m ? a + 1u : a; }
   static I mask_i(M m) { return m ? 0xFFFFFFFFu : 0u; }
+  static I keep_if(M m, I a) { return m ? a : 0u; }
   static I max_u(I a, I b) { return a > b ? a : b; }
   static I min_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
   static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }

@@ -354,13 +354,15 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
 
 // ---------------------------------------------------------------------------------------------
 // One vector of rank1_reduce: elements i .. i+W-1 of the tile, whose column scales and column
-// partial maxima start at col_scale, col_max.
-template <class Rule, int K, int IO, bool Plain>
+// partial maxima start at col_scale, col_max. RowNan: the row's part is NaN, and
+// fmin_nan(NaN, col) = col.
+template <class Rule, int K, int IO, bool Plain, bool RowNan>
 inline __attribute__((always_inline)) void rank1_vector(const StateIn& in, const float* p, const float* g, int64_t i,
                                                         const float* col_scale, uint32_t* col_max, F row_scale,
-                                                        bool row_nan, const Scalars& h, I& row_max) {
+                                                        const Scalars& h, I& row_max) {
   const F col_j = Isa::load(col_scale);
-  const F scale = row_nan ? col_j : Isa::min_or(col_j, row_scale);
+  F scale = col_j;
+  if constexpr (!RowNan) scale = Isa::min_or(col_j, row_scale);
   F P = Isa::load(p + i);
   F S[2] = {F(0.0f), F(0.0f)};
   S[K] = code_value<IO>(in, i) * scale;
@@ -369,6 +371,32 @@ inline __attribute__((always_inline)) void rank1_vector(const StateIn& in, const
   const I a = finite_abs_v(S[K]);
   row_max = Isa::max_u(row_max, a);
   Isa::store_i(col_max, Isa::max_u(Isa::load_i(col_max), a));
+}
+
+// One row run of rank1_reduce (elements off .. off+len-1 of the tile): the columns' partial
+// maxima folded in place; returns the run's maximum for the row.
+template <class Rule, int K, int IO, bool Plain, bool RowNan>
+inline uint32_t rank1_row(const StateIn& in_, const float* p, const float* g, int64_t off, int64_t len,
+                          const float* col_scale, uint32_t* col_max, float part, const Scalars& h_, NextLines& next) {
+  const StateIn in = in_;  // (locals: the stores to col_max could alias the references, and every
+  const Scalars h = h_;    // vector would reload them)
+  const F row_scale(part);
+  I row_max(0u);
+  NextLines nx = next;
+  // pass 1 streams p and g: one line of each per 16 elements; the vectors of a chunk unrolled
+  int64_t j = 0;
+  for (; j + kMainChunk <= len; j += kMainChunk) {
+    for (int64_t q = 0; q < kMainChunk; q += 16) nx.step();
+#pragma GCC unroll 8
+    for (int64_t k = j; k < j + kMainChunk; k += W)
+      rank1_vector<Rule, K, IO, Plain, RowNan>(in, p, g, off + k, col_scale + k, col_max + k, row_scale, h, row_max);
+  }
+  for (; j < len; j += W) {
+    if (((off + j) & 15) == 0) nx.step();
+    rank1_vector<Rule, K, IO, Plain, RowNan>(in, p, g, off + j, col_scale + j, col_max + j, row_scale, h, row_max);
+  }
+  next = nx;
+  return Isa::hmax_u(row_max);
 }
 
 // Pass 1 of a rank-1 state with 4/8-bit codes, in one loop per row run: old scale
@@ -392,27 +420,11 @@ inline void rank1_reduce(const TensorDesc& t, int64_t start, int64_t n, const fl
   if constexpr (io_q8(IO)) prepare_codes8(in, st, n, scratch);
   for_each_rank1_row(t, start, n, [&](int64_t off, int64_t len, const int64_t* lead, int nlead, int64_t col) {
     const float part = rank1_row_part(scales, lead, nlead, true);
-    const F row_scale(part);
-    const bool row_nan = part != part;  // fmin_nan(NaN, col) = col
     const float* col_scale = scales + col;
     uint32_t* col_max = partial + col;
-    I row_max(0u);
-    NextLines nx = next;  // (a local: the stores to col_max could alias it)
-    // pass 1 streams p and g: one line of each per 16 elements; the vectors of a chunk unrolled
-    int64_t j = 0;
-    for (; j + kMainChunk <= len; j += kMainChunk) {
-      for (int64_t q = 0; q < kMainChunk; q += 16) nx.step();
-#pragma GCC unroll 8
-      for (int64_t k = j; k < j + kMainChunk; k += W)
-        rank1_vector<Rule, K, IO, Plain>(in, p, g, off + k, col_scale + k, col_max + k, row_scale, row_nan, h,
-                                         row_max);
-    }
-    for (; j < len; j += W) {
-      if (((off + j) & 15) == 0) nx.step();
-      rank1_vector<Rule, K, IO, Plain>(in, p, g, off + j, col_scale + j, col_max + j, row_scale, row_nan, h, row_max);
-    }
-    next = nx;
-    const uint32_t m = Isa::hmax_u(row_max);
+    const uint32_t m = part != part
+                           ? rank1_row<Rule, K, IO, Plain, true>(in, p, g, off, len, col_scale, col_max, part, h, next)
+                           : rank1_row<Rule, K, IO, Plain, false>(in, p, g, off, len, col_scale, col_max, part, h, next);
     for (int k = 0; k < nlead; ++k) fold_max(partial + lead[k], m);
   });
 }

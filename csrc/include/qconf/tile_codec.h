@@ -262,7 +262,7 @@ inline F normalize_v(F x, F r) {
 // finite_abs_bits (element.h) of a vector: the |x| bits, 0 for NaN and +-Inf
 inline I finite_abs_v(F x) {
   const I b = Isa::bits(x) & I(0x7fffffffu);
-  return Isa::select_i(Isa::lt_i(b, I(0x7f800000u)), b, I(0u));
+  return Isa::keep_if(Isa::lt_i(b, I(0x7f800000u)), b);
 }
 
 inline I search_nearest(const CodecDesc& c, const SearchTables& tb, F n) {
