@@ -91,8 +91,7 @@ inline void factor_reduce(const TensorDesc& t, int64_t chunk, Buffers& b) {
 // ---------------------------------------------------------------------------------------------
 // Tile pipeline. Each stage is a tight loop specialized at compile time; old scales are written
 // to a buffer first (one per vector or per element), so the main loop never branches on layouts:
-//   1. gradient / parameter as fp32 (pointers into fp32 tensors, converted copies otherwise; a
-//      bf16 pair with nearest-rounded writes is read and written by the main loop itself)
+//   1. gradient / parameter as fp32 (pointers into fp32 tensors, converted copies otherwise)
 //   2. per quantized state: old scales (for 4/8-bit codes), or a full generic dequant
 //   3. main loop, specialized on the two state formats: dequantize 4/8-bit codes in registers,
 //      apply the rule, write new values (fp32 states in place on the final pass)
@@ -195,43 +194,18 @@ inline float load_state_scalar(const StateIn& s, int64_t i) {
   else return 0.0f;
 }
 
-// The main loop's parameter and gradient, from element i of the tile on (at(i)): fp32 (the
-// tensors in place, or the tile's converted copies), or bf16 tensors read and written by the loop
-// itself (final pass, round-to-nearest parameter writes: no converted copies, no store pass).
-struct PgF32 {
-  float* p;
-  const float* g;
-  PgF32 at(int64_t i) const { return {p + i, g + i}; }
-  F load_p(int64_t k) const { return Isa::load(p + k); }
-  F load_g(int64_t k) const { return Isa::load(g + k); }
-  void store_p(int64_t k, F x) const { Isa::store(p + k, x); }
-  float p1(int64_t i) const { return p[i]; }
-  float g1(int64_t i) const { return g[i]; }
-  void store_p1(int64_t i, float x) const { p[i] = x; }
-};
-struct PgBf16 {
-  uint16_t* p;
-  const uint16_t* g;
-  PgBf16 at(int64_t i) const { return {p + i, g + i}; }
-  F load_p(int64_t k) const { return Isa::load_bf16(p + k); }
-  F load_g(int64_t k) const { return Isa::load_bf16(g + k); }
-  void store_p(int64_t k, F x) const { Isa::store_u16(p + k, bf16_rne_bits(x)); }  // (as store_from_f32)
-  float p1(int64_t i) const { return bf16_to_f32(p[i]); }
-  float g1(int64_t i) const { return bf16_to_f32(g[i]); }
-  void store_p1(int64_t i, float x) const { p[i] = f32_to_bf16_rne(x); }
-};
-
 // One vector of the main loop: elements k .. k+W-1 of a chunk (see main_loop); the states' new
 // |bits| folded into max0, max1 (single-pass block states: their new scales).
-template <class Rule, int IO0, int IO1, bool StoreP, bool Plain, class PG>
-inline __attribute__((always_inline)) void main_vector(const PG& pg, const ChunkIn<IO0>& s0, const ChunkIn<IO1>& s1,
-                                                       int64_t k, const Scalars& h, bool update_v, I& max0, I& max1) {
-  F P = pg.load_p(k);
+template <class Rule, int IO0, int IO1, bool StoreP, bool Plain>
+inline __attribute__((always_inline)) void main_vector(float* p, const float* g, const ChunkIn<IO0>& s0,
+                                                       const ChunkIn<IO1>& s1, int64_t k, const Scalars& h,
+                                                       bool update_v, I& max0, I& max1) {
+  F P = Isa::load(p + k);
   F A = s0.value(k);
   F B = s1.value(k);
-  if constexpr (Plain) Rule::apply_plain(P, pg.load_g(k), A, B, h);
-  else Rule::apply(P, pg.load_g(k), A, B, h, update_v);
-  if constexpr (StoreP) pg.store_p(k, P);
+  if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + k), A, B, h);
+  else Rule::apply(P, Isa::load(g + k), A, B, h, update_v);
+  if constexpr (StoreP) Isa::store(p + k, P);
   s0.fold(max0, A);
   s1.fold(max1, B);
   if constexpr (IO0 != kIONone) Isa::store(s0.out + k, A);
@@ -247,11 +221,11 @@ inline __attribute__((always_inline)) void main_vector(const PG& pg, const Chunk
 // first, every address a constant offset from the chunk's pointers and the chunk's old scale
 // applied once (ChunkIn): the per-vector index arithmetic, flag tests and scale broadcasts were
 // a fifth of the loop.
-template <class Rule, int IO0, int IO1, bool StoreP, class PG, bool Plain = false>
-void main_loop(const PG pg, const StateIn& s0_, const StateIn& s1_, int64_t n, const Scalars& hs, bool update_v,
-               NextLines& next) {
+template <class Rule, int IO0, int IO1, bool StoreP = true, bool Plain = false>
+void main_loop(float* p, const float* g, const StateIn& s0_, const StateIn& s1_, int64_t n, const Scalars& hs,
+               bool update_v, NextLines& next) {
   if constexpr (Rule::kHasPlain && StoreP && !Plain) {
-    if (Rule::plain(hs, update_v)) return main_loop<Rule, IO0, IO1, StoreP, PG, true>(pg, s0_, s1_, n, hs, true, next);
+    if (Rule::plain(hs, update_v)) return main_loop<Rule, IO0, IO1, StoreP, true>(p, g, s0_, s1_, n, hs, true, next);
   }
   const Scalars h = hs;  // local copies: the rule's scalars, the state pointers and the
   const StateIn s0 = s0_, s1 = s1_;  // prefetch cursor stay in registers (stores through float*
@@ -265,10 +239,9 @@ void main_loop(const PG pg, const StateIn& s0_, const StateIn& s1_, int64_t n, c
       const ChunkIn<IO0> c0(s0, i);
       const ChunkIn<IO1> c1(s1, i);
       I max0(0u), max1(0u);
-      const PG pgi = pg.at(i);
 #pragma GCC unroll 8
       for (int64_t k = 0; k < kMainChunk; k += W)
-        main_vector<Rule, IO0, IO1, StoreP, Plain>(pgi, c0, c1, k, h, update_v, max0, max1);
+        main_vector<Rule, IO0, IO1, StoreP, Plain>(p + i, g + i, c0, c1, k, h, update_v, max0, max1);
       c0.finish(max0);
       c1.finish(max1);
     }
@@ -276,11 +249,10 @@ void main_loop(const PG pg, const StateIn& s0_, const StateIn& s1_, int64_t n, c
       const ChunkIn<IO0> c0(s0, i);
       const ChunkIn<IO1> c1(s1, i);
       I max0(0u), max1(0u);
-      const PG pgi = pg.at(i);
       int64_t k = 0;
       for (; i + k + W <= n; k += W) {
         if ((k & (nx.main_elems - 1)) == 0) nx.step();
-        main_vector<Rule, IO0, IO1, StoreP, Plain>(pgi, c0, c1, k, h, update_v, max0, max1);
+        main_vector<Rule, IO0, IO1, StoreP, Plain>(p + i, g + i, c0, c1, k, h, update_v, max0, max1);
       }
       c0.finish(max0);
       c1.finish(max1);
@@ -288,9 +260,9 @@ void main_loop(const PG pg, const StateIn& s0_, const StateIn& s1_, int64_t n, c
     }
   }
   for (; i < n; ++i) {
-    float P = pg.p1(i), A = load_state_scalar<IO0>(s0, i), B = load_state_scalar<IO1>(s1, i);
-    Rule::apply(P, pg.g1(i), A, B, h, update_v);
-    if constexpr (StoreP) pg.store_p1(i, P);
+    float P = p[i], A = load_state_scalar<IO0>(s0, i), B = load_state_scalar<IO1>(s1, i);
+    Rule::apply(P, g[i], A, B, h, update_v);
+    if constexpr (StoreP) p[i] = P;
     if constexpr (IO0 != kIONone) s0.out[i] = A;
     if constexpr (IO1 != kIONone) {
       if (update_v) s1.out[i] = B;
@@ -301,41 +273,41 @@ void main_loop(const PG pg, const StateIn& s0_, const StateIn& s1_, int64_t n, c
 
 // Dispatch on the two state kinds. Pass 1 (StoreP=false) only sees two-pass states, whose
 // scales are per element, so the per-vector kinds are instantiated for the final pass only.
-template <class Rule, bool StoreP, class PG, int IO0>
-void main_loop_1(const PG& pg, const StateIn& s0, int io1, const StateIn& s1, int64_t n, const Scalars& h,
-                 bool update_v, NextLines& next) {
+template <class Rule, bool StoreP, int IO0>
+void main_loop_1(float* p, const float* g, const StateIn& s0, int io1, const StateIn& s1, int64_t n,
+                 const Scalars& h, bool update_v, NextLines& next) {
   if constexpr (Rule::kStates == 1) {
-    main_loop<Rule, IO0, kIONone, StoreP>(pg, s0, s1, n, h, update_v, next);
+    main_loop<Rule, IO0, kIONone, StoreP>(p, g, s0, s1, n, h, update_v, next);
   } else {
     switch (io1) {
-      case kIOF32: main_loop<Rule, IO0, kIOF32, StoreP>(pg, s0, s1, n, h, update_v, next); break;
-      case kIOQ4: main_loop<Rule, IO0, kIOQ4, StoreP>(pg, s0, s1, n, h, update_v, next); break;
-      case kIOQ8: main_loop<Rule, IO0, kIOQ8, StoreP>(pg, s0, s1, n, h, update_v, next); break;
+      case kIOF32: main_loop<Rule, IO0, kIOF32, StoreP>(p, g, s0, s1, n, h, update_v, next); break;
+      case kIOQ4: main_loop<Rule, IO0, kIOQ4, StoreP>(p, g, s0, s1, n, h, update_v, next); break;
+      case kIOQ8: main_loop<Rule, IO0, kIOQ8, StoreP>(p, g, s0, s1, n, h, update_v, next); break;
       case kIOQ4B:
-        if constexpr (StoreP) main_loop<Rule, IO0, kIOQ4B, StoreP>(pg, s0, s1, n, h, update_v, next);
+        if constexpr (StoreP) main_loop<Rule, IO0, kIOQ4B, StoreP>(p, g, s0, s1, n, h, update_v, next);
         break;
       case kIOQ8B:
-        if constexpr (StoreP) main_loop<Rule, IO0, kIOQ8B, StoreP>(pg, s0, s1, n, h, update_v, next);
+        if constexpr (StoreP) main_loop<Rule, IO0, kIOQ8B, StoreP>(p, g, s0, s1, n, h, update_v, next);
         break;
-      default: main_loop<Rule, IO0, kIONone, StoreP>(pg, s0, s1, n, h, update_v, next); break;
+      default: main_loop<Rule, IO0, kIONone, StoreP>(p, g, s0, s1, n, h, update_v, next); break;
     }
   }
 }
 
-template <class Rule, bool StoreP, class PG>
-void run_main_loop(const PG& pg, int io0, const StateIn& s0, int io1, const StateIn& s1, int64_t n, const Scalars& h,
-                   bool update_v, NextLines& next) {
+template <class Rule, bool StoreP>
+void run_main_loop(float* p, const float* g, int io0, const StateIn& s0, int io1, const StateIn& s1, int64_t n,
+                   const Scalars& h, bool update_v, NextLines& next) {
   switch (io0) {
-    case kIOF32: main_loop_1<Rule, StoreP, PG, kIOF32>(pg, s0, io1, s1, n, h, update_v, next); break;
-    case kIOQ4: main_loop_1<Rule, StoreP, PG, kIOQ4>(pg, s0, io1, s1, n, h, update_v, next); break;
-    case kIOQ8: main_loop_1<Rule, StoreP, PG, kIOQ8>(pg, s0, io1, s1, n, h, update_v, next); break;
+    case kIOF32: main_loop_1<Rule, StoreP, kIOF32>(p, g, s0, io1, s1, n, h, update_v, next); break;
+    case kIOQ4: main_loop_1<Rule, StoreP, kIOQ4>(p, g, s0, io1, s1, n, h, update_v, next); break;
+    case kIOQ8: main_loop_1<Rule, StoreP, kIOQ8>(p, g, s0, io1, s1, n, h, update_v, next); break;
     case kIOQ4B:
-      if constexpr (StoreP) main_loop_1<Rule, StoreP, PG, kIOQ4B>(pg, s0, io1, s1, n, h, update_v, next);
+      if constexpr (StoreP) main_loop_1<Rule, StoreP, kIOQ4B>(p, g, s0, io1, s1, n, h, update_v, next);
       break;
     case kIOQ8B:
-      if constexpr (StoreP) main_loop_1<Rule, StoreP, PG, kIOQ8B>(pg, s0, io1, s1, n, h, update_v, next);
+      if constexpr (StoreP) main_loop_1<Rule, StoreP, kIOQ8B>(p, g, s0, io1, s1, n, h, update_v, next);
       break;
-    default: main_loop_1<Rule, StoreP, PG, kIONone>(pg, s0, io1, s1, n, h, update_v, next); break;
+    default: main_loop_1<Rule, StoreP, kIONone>(p, g, s0, io1, s1, n, h, update_v, next); break;
   }
 }
 
@@ -479,22 +451,12 @@ inline void write_params(TensorDesc& t, int64_t start, int64_t n, const float* p
 
 // The stages of process_tile. (always_inline: one function per tile, as if written in one.)
 
-// Whether the main loop reads the bf16 gradient and parameter and writes the parameter itself
-// (PgBf16): the final pass of a bf16 parameter and gradient with round-to-nearest writes.
-inline bool bf16_in_loop(const TensorDesc& t, bool final_pass) {
-  return final_pass && t.pdtype == kBF16 && t.gdtype == kBF16 && !t.w_stochastic && !t.w_kahan;
-}
-
 // 1. The tile's gradient and parameter as fp32: pointers into fp32 tensors, converted copies
-// otherwise (none where bf16_in_loop). Pass 1 of a rule whose states ignore p reads no
-// parameter: any finite values do there (p is never stored), so p points at g.
+// otherwise. Pass 1 of a rule whose states ignore p reads no parameter: any finite values do
+// there (p is never stored), so p points at g.
 template <class Rule>
 inline __attribute__((always_inline)) void load_grad_param(const TensorDesc& t, int64_t start, int64_t n,
                                                            bool final_pass, Buffers& b, const float*& g, float*& p) {
-  if (bf16_in_loop(t, final_pass)) {
-    g = p = nullptr;
-    return;
-  }
   if (t.gdtype == kF32) {
     g = static_cast<const float*>(t.grad) + start;
   } else {
@@ -582,14 +544,8 @@ inline __attribute__((always_inline)) void run_tile_main(const TensorDesc& t, in
     io[1] = kIOF32;
     update_v = false;
   }
-  if (bf16_in_loop(t, final_pass)) {
-    const PgBf16 pg{static_cast<uint16_t*>(t.param) + start, static_cast<const uint16_t*>(t.grad) + start};
-    run_main_loop<Rule, true>(pg, io[0], in[0], io[1], in[1], n, t.h, update_v, b.next);
-  } else if (final_pass) {
-    run_main_loop<Rule, true>(PgF32{p, g}, io[0], in[0], io[1], in[1], n, t.h, update_v, b.next);
-  } else {
-    run_main_loop<Rule, false>(PgF32{p, g}, io[0], in[0], io[1], in[1], n, t.h, update_v, b.next);
-  }
+  if (final_pass) run_main_loop<Rule, true>(p, g, io[0], in[0], io[1], in[1], n, t.h, update_v, b.next);
+  else run_main_loop<Rule, false>(p, g, io[0], in[0], io[1], in[1], n, t.h, update_v, b.next);
 }
 
 // 4a. Pass 1: the absmax of the new values of the states the main loop reduced, folded into
@@ -627,11 +583,10 @@ inline __attribute__((always_inline)) void quantize_states(const TensorDesc& t, 
   }
 }
 
-// 5. Final pass: the new bf16/fp16 parameter (fp32 parameters were updated in place, and so
-// were bf16 ones where bf16_in_loop).
+// 5. Final pass: the new bf16/fp16 parameter (fp32 parameters were updated in place).
 inline __attribute__((always_inline)) void store_params(TensorDesc& t, int64_t start, int64_t n, const float* p,
                                                         Buffers& b) {
-  if (t.pdtype == kF32 || bf16_in_loop(t, true)) return;
+  if (t.pdtype == kF32) return;
   if (t.w_stochastic || t.w_kahan) write_params(t, start, n, p, b);
   else store_from_f32(t.param, t.pdtype, start, n, p);
 }
