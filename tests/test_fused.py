@@ -254,10 +254,9 @@ def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, i
     # wrong (all in [-1, 1]), plus a block with NaN and one with inf. (Unsigned power-2 has no
     # lines: the search, for comparison.) An odd number of vectors exercises the tail after the
     # last whole group of Isa::lookup256n. On every ISA: AVX-512 with and without VBMI looks up
-    # 4 or 2 vectors at a time; AVX2 takes the segment lines (or probes with a gather); scalar
-    # searches.
-    # AVX2 takes the segment lines where the codec has them (qconf.codec.segment_lines): their
-    # bounds, their neighbours and the junction points (midpoints) are among the values too.
+    # 4 or 2 vectors at a time; AVX2 takes the segment lines where the codec has them
+    # (qconf.codec.segment_lines: their check points, bounds and junction midpoints included, are
+    # the values then), else probes with a gather; scalar searches.
     from qconf.codec import Codec
     from qconf.codec import segment_lines
     from qconf.codec.native import codec_table
@@ -267,9 +266,10 @@ def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, i
     row = codec_table(codec)[7]
     assert bool(row.any()) == ((map, signed) != ("power-2", False))
     assert bool(row[segment_lines.SEG_PRESENT]) == (map in ("nonlinear", "linear"))
-    ends = _interval_ends(row, codec.midpoints) if row.any() else torch.cat([codec.midpoints] * 3)
     if row[segment_lines.SEG_PRESENT]:
         ends = segment_lines._ends(row, codec.midpoints)
+    else:
+        ends = _interval_ends(row, codec.midpoints) if row.any() else torch.cat([codec.midpoints] * 3)
     values = ends[torch.isfinite(ends) & (ends.abs() <= 1)]
     blocks = list(values.split(63)) + [torch.tensor([float("nan"), 0.5]), torch.tensor([float("inf"), -0.25])]
     runs = _first_sgd_steps(blocks, {"bits": 8, "map": map, "signed": signed, "scale": "group", "group_size": 64},

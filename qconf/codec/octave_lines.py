@@ -118,25 +118,43 @@ def _fit(mids: torch.Tensor, reach: bool = False) -> torch.Tensor:
     return row
 
 
+def line_arg(form: int, n: torch.Tensor) -> torch.Tensor:
+    """The lines' argument ``a`` of float32 values ``n``, as the kernels compute it (also for the
+    segment lines): ``max(n, 2**-31)`` (NaN, negatives -> 2**-31) for the unsigned form, ``|n|``
+    (NaN stays) for the signed one, capped below 2."""
+    if form == FORM_UNSIGNED:
+        a = torch.where(n > A_FLOOR, n, _f32(A_FLOOR))  # max(n, floor): NaN, negatives -> floor
+    else:
+        a = n.abs()
+    return torch.where(a > A_CAP, _f32(A_CAP), a)  # min(cap, a); NaN stays NaN
+
+
+def int32_of(x: torch.Tensor) -> torch.Tensor:
+    """An integral float32 tensor as int64 values of the kernels' int32 conversion: NaN and
+    out-of-range lanes give INT32_MIN (the x86 "integer indefinite")."""
+    bad = torch.isnan(x) | (x >= 2.0**31) | (x < -(2.0**31))
+    return torch.where(bad, -(2.0**31), torch.where(bad, 0.0, x.double())).long()
+
+
+def padded_mids(mids: torch.Tensor) -> torch.Tensor:
+    """The midpoints padded to the kernels' 256 entries with +inf."""
+    padded = torch.full((TABLE,), float("inf"))
+    padded[: mids.numel()] = mids
+    return padded
+
+
 def line_index(row: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """The kernels' probe index ``r`` for float32 values ``n`` (any shape), computed with the same
     float32 operations in the same order: int64, shape of ``n``. The kernels clamp it only below
     (signed form: NaN), so ``octave_lines`` accepts lines only if ``0 <= r < 256`` everywhere."""
     n = n.to(torch.float32)
     form = int(row[161])
-    zero = torch.zeros((), dtype=torch.float32)
-    if form == FORM_UNSIGNED:
-        a = torch.where(n > A_FLOOR, n, _f32(A_FLOOR))  # max(n, floor): NaN, negatives -> floor
-    else:
-        a = n.abs()
-    a = torch.where(a > A_CAP, _f32(A_CAP), a)  # min(cap, a); NaN stays NaN
+    a = line_arg(form, n)
     o = (((a.view(torch.int32) >> 23) & 0xFF).clamp(min=FIRST_EXPONENT) & (OCTAVES - 1)).long()
     j = torch.minimum(fma32(a, row[:32][o], row[32:64][o]), fma32(a, row[64:96][o], row[96:128][o]))
     if form == FORM_SIGNED:
         j = torch.where(n < 0, row[160] - j, j)
-    # rint to int32; NaN and out-of-range lanes give INT32_MIN (the x86 "integer indefinite")
-    r = torch.round(torch.where(torch.isnan(j), zero, j).double())
-    r = torch.where(torch.isnan(j) | (r >= 2.0**31) | (r < -(2.0**31)), -(2.0**31), r).long()
+    r = int32_of(torch.round(j))  # rint: half to even
     return r.clamp(min=0) if form == FORM_SIGNED else r
 
 
@@ -144,8 +162,7 @@ def estimate_codes(row: torch.Tensor, mids: torch.Tensor, n: torch.Tensor) -> to
     """The kernels' codes ``r + (mid[r] < n)`` for float32 values ``n``: int64, shape of ``n``.
     Like the kernels' table, the midpoints are padded to 256 entries with +inf."""
     n = n.to(torch.float32)
-    padded = torch.full((TABLE,), float("inf"))
-    padded[: mids.numel()] = mids
+    padded = padded_mids(mids)
     r = line_index(row, n).clamp(0, TABLE - 1)  # (the clamp only guards this indexing)
     return r + (padded[r] < n).long()
 

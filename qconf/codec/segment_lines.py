@@ -37,7 +37,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .octave_lines import A_CAP, A_FLOOR, FORM_SIGNED, FORM_UNSIGNED, TABLE, _interval_ends, fma32
+from .octave_lines import (FORM_SIGNED, FORM_UNSIGNED, TABLE, _f32, _interval_ends, fma32, int32_of, line_arg,
+                           padded_mids)
 
 SEGMENTS = 8
 SEG_BOUNDS = 162  # B[1..7] (bounds[s] = B[s + 1]), then +inf twice: 9 entries
@@ -50,10 +51,6 @@ SEG_PRESENT = 204  # 1.0 when the segments are set and exact
 _MIRROR, _FORM = 160, 161
 _RUN_TOLERANCE = 1e-3  # the largest distance (in codes) of a run's point from its line
 EPS_MAX = 1.0 / 64  # reject segment lines that would send more values to the table
-
-
-def _f32(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.float32)
 
 
 def _run_end(x: np.ndarray, k: np.ndarray, i: int) -> int:
@@ -142,11 +139,7 @@ def _fit(mids: torch.Tensor) -> torch.Tensor | None:
 
 def _segment_j(row: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' capped line value j (float32) and segment d (int64) of float32 values n."""
-    if int(row[_FORM]) == FORM_UNSIGNED:
-        a = torch.where(n > A_FLOOR, n, _f32(A_FLOOR))  # max(n, floor): NaN, negatives -> floor
-    else:
-        a = n.abs()
-    a = torch.where(a > A_CAP, _f32(A_CAP), a)
+    a = line_arg(int(row[_FORM]), n)
     bounds = row[SEG_BOUNDS:SEG_BOUNDS + SEGMENTS + 1]
     d = torch.where(bounds[3] <= a, 4, 0)  # B[4], then B[d + 2], then B[d + 1] (bounds[s] = B[s + 1])
     d = d + torch.where(bounds[d + 1] <= a, 2, 0)
@@ -168,11 +161,9 @@ def segment_codes(row: torch.Tensor, mids: torch.Tensor, n: torch.Tensor) -> tor
     j, _ = _segment_j(row, n)
     jr = torch.round(j)  # half to even, like the kernels' rounding
     u = j - jr  # exact
-    nan = torch.isnan(jr)
-    r = torch.where(nan, -(2.0**31), torch.where(nan, 0.0, jr).double()).long()  # NaN -> INT32_MIN
+    r = int32_of(jr)
     fast = (r + (u > 0).long()).clamp(0, TABLE - 1)  # (the kernels' stores saturate to a byte)
-    padded = torch.full((TABLE,), float("inf"))
-    padded[: mids.numel()] = mids
+    padded = padded_mids(mids)
     rp = r.clamp(0, mids.numel())
     probe = rp + (padded[rp] < n).long()
     return torch.where(u.abs() <= row[SEG_EPS], probe, fast)
