@@ -200,6 +200,38 @@ def test_non_finite_gradients_give_the_same_states(scale, bits, rounding, monkey
     assert any(torch.isnan(p).any() for p in p_fus)  # the NaN gradient element's parameter, as in torch
 
 
+def test_bf16_parameters_stay_nan_where_the_nan_has_low_bits(monkeypatch):
+    # A float32 gradient NaN whose low 16 mantissa bits are set (0x7fffffff) reaches its bf16
+    # parameter with those bits. The kernels round bf16 without the NaN select and write a run
+    # again with it where a NaN went by: rounding 0x7fffffff as a number carries into the sign
+    # bit and gives -0.0. The NaN sits in the first and in the last full pair of vectors.
+    nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    shapes = [(4, 40), (97,)]
+    cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": 4, "scale": "group", "group_size": 32},
+                                      "exp_avg_sq": {"bits": 4, "scale": "group", "group_size": 32,
+                                                     "signed": False}}}
+    runs = []
+    for fused, isa in [(False, None)] + [(True, isa) for isa in _isas()]:
+        if isa is not None:
+            monkeypatch.setenv("QCONF_CPU_ISA", isa)
+        params = _params(shapes, torch.bfloat16)
+        opt = AdamW(params, lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=fused)
+        for step in range(2):
+            for p, g in zip(params, _grads(shapes, step, torch.float32, False)):
+                g.view(-1)[[3, 64]] = nan
+                p.grad_dtype = None  # (torch checks a gradient against grad_dtype; None allows float32 here)
+                p.grad = g
+            opt.step()
+        runs.append(params)
+    for params in runs:
+        for p in params:
+            assert torch.isnan(p.view(-1)[[3, 64]].float()).all()
+            assert torch.isfinite(p.view(-1)[:3].float()).all()
+    for params in runs[1:]:
+        for a, b in zip(runs[0], params):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+
+
 def _first_sgd_steps(blocks, state_cfg, tail=(), isa=None, monkeypatch=None):
     """Reference and fused runs of one SGD momentum step whose gradient is `blocks` (each at most
     63 values) after a 1.0 in every block of 64, then `tail`: the first step stores the gradient

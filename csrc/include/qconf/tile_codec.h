@@ -45,6 +45,14 @@ inline void load_as_f32(const void* src, int32_t dtype, int64_t start, int64_t n
     for (; i < n; ++i) dst[i] = s[i];
   } else if (dtype == kBF16) {
     const uint16_t* s = static_cast<const uint16_t*>(src) + start;
+    for (; i + 4 * W <= n; i += 4 * W) {  // 4 vectors per turn: the loop's own count is half the work
+      const F a = Isa::load_bf16(s + i), b = Isa::load_bf16(s + i + W);
+      const F c = Isa::load_bf16(s + i + 2 * W), d = Isa::load_bf16(s + i + 3 * W);
+      Isa::store(dst + i, a);
+      Isa::store(dst + i + W, b);
+      Isa::store(dst + i + 2 * W, c);
+      Isa::store(dst + i + 3 * W, d);
+    }
     for (; i + W <= n; i += W) Isa::store(dst + i, Isa::load_bf16(s + i));
     for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
   } else {
@@ -54,11 +62,16 @@ inline void load_as_f32(const void* src, int32_t dtype, int64_t start, int64_t n
   }
 }
 
+// bf16 pattern (low 16 bits of the lanes) of x that is not NaN, round to nearest even: the
+// carry of u + 0x7fff + (lsb of the result) rounds up; +-inf and overflow come out as +-inf.
+inline I bf16_rne_bits_no_nan(F x) {
+  const I u = Isa::bits(x);
+  return (u + I(0x7fffu) + ((u >> 16) & I(1u))) >> 16;
+}
+
 // bf16 pattern (low 16 bits of the lanes) of x, round to nearest even, NaN quiet
 inline I bf16_rne_bits(F x) {
-  const I u = Isa::bits(x);
-  const I rounded = (u + I(0x7fffu) + ((u >> 16) & I(1u))) >> 16;
-  return Isa::select_i(Isa::isnan(x), (u >> 16) | I(0x40u), rounded);
+  return Isa::select_i(Isa::isnan(x), (Isa::bits(x) >> 16) | I(0x40u), bf16_rne_bits_no_nan(x));
 }
 
 // bf16 stochastic rounding of x with the random bits h (the top 16 bits are used)
@@ -77,8 +90,17 @@ inline void store_from_f32(void* dst, int32_t dtype, int64_t start, int64_t n, c
   int64_t i = 0;
   uint16_t* d = static_cast<uint16_t*>(dst) + start;
   if (dtype == kBF16) {
-    for (; i + 2 * W <= n; i += 2 * W)
-      Isa::store_u16x2(d + i, bf16_rne_bits(Isa::load(src + i)), bf16_rne_bits(Isa::load(src + i + W)));
+    // Without the NaN select first: the running sum `seen` is NaN wherever a value was (or where
+    // infinities cancelled), and then these vectors are written again with the select.
+    F seen(0.0f);
+    for (; i + 2 * W <= n; i += 2 * W) {
+      const F a = Isa::load(src + i), b = Isa::load(src + i + W);
+      seen = seen + (a + b);
+      Isa::store_u16x2(d + i, bf16_rne_bits_no_nan(a), bf16_rne_bits_no_nan(b));
+    }
+    if (Isa::any(Isa::isnan(seen)))
+      for (int64_t j = 0; j < i; j += 2 * W)
+        Isa::store_u16x2(d + j, bf16_rne_bits(Isa::load(src + j)), bf16_rne_bits(Isa::load(src + j + W)));
     for (; i + W <= n; i += W) Isa::store_u16(d + i, bf16_rne_bits(Isa::load(src + i)));
     for (; i < n; ++i) d[i] = f32_to_bf16_rne(src[i]);
   } else {
