@@ -251,8 +251,17 @@ inline void decode8(const CodecDesc& c, const uint8_t* codes, int64_t n, float* 
   const Isa::T256P t = Isa::table256p(c.qmap, c.qmap_words, c.qmap_bytes);
   int64_t i = 0;
   F v[G];
-  for (; i + G * W <= n; i += G * W) {
+  // U groups per turn where a group is one vector (AVX2's gathers): one prefetch and one count
+  // per 32 codes instead of per 8
+  constexpr int U = G == 1 ? 4 : 1;
+  for (; i + U * G * W <= n; i += U * G * W) {
     __builtin_prefetch(codes + i + kPrefetch, 0);  // the next tile's codes (the same tensor's, usually)
+    for (int u = 0; u < U; ++u) {
+      Isa::decode256n(t, codes + i + u * G * W, v);
+      for (int h = 0; h < G; ++h) Isa::store(out + i + (u * G + h) * W, v[h]);
+    }
+  }
+  for (; i + G * W <= n; i += G * W) {
     Isa::decode256n(t, codes + i, v);
     for (int h = 0; h < G; ++h) Isa::store(out + i + h * W, v[h]);
   }
