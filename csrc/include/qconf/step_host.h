@@ -23,7 +23,8 @@
 namespace qconf {
 namespace host {
 
-constexpr int64_t kTileTarget = 1024;   // elements per work item (8 tile buffers stay in L1/L2)
+constexpr int64_t kTileTarget = 2048;   // elements per work item (the tile buffers stay in L1/L2;
+                                        // 1024 spent 5% more instructions on per-tile setup)
 constexpr int64_t kMaxUnit = 16384;     // largest block kept single-pass
 constexpr int64_t kFactorChunks = 16;   // fixed row chunking of the factor pass (thread-count independent)
 
