@@ -204,7 +204,8 @@ def test_bf16_parameters_stay_nan_where_the_nan_has_low_bits(monkeypatch):
     # A float32 gradient NaN whose low 16 mantissa bits are set (0x7fffffff) reaches its bf16
     # parameter with those bits. The kernels round bf16 without the NaN select and write a run
     # again with it where a NaN went by: rounding 0x7fffffff as a number carries into the sign
-    # bit and gives -0.0. The NaN sits in the first and in the last full pair of vectors.
+    # bit and gives -0.0. The NaNs sit at elements 3 and 64: in the first pair of vectors and in a
+    # later one on every ISA (each tensor is one tile).
     nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
     shapes = [(4, 40), (97,)]
     cfg = {"min_numel": 0, "states": {"exp_avg": {"bits": 4, "scale": "group", "group_size": 32},
