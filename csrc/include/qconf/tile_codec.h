@@ -90,8 +90,8 @@ inline void store_from_f32(void* dst, int32_t dtype, int64_t start, int64_t n, c
   int64_t i = 0;
   uint16_t* d = static_cast<uint16_t*>(dst) + start;
   if (dtype == kBF16) {
-    // Without the NaN select first: the running sum `seen` is NaN wherever a value was (or where
-    // infinities cancelled), and then these vectors are written again with the select.
+    // Without the NaN select first: the running sum `seen` becomes NaN once any value is NaN (or
+    // when infinities cancel), and then these vectors are written again with the select.
     F seen(0.0f);
     for (; i + 2 * W <= n; i += 2 * W) {
       const F a = Isa::load(src + i), b = Isa::load(src + i + W);
