@@ -41,7 +41,8 @@ KEYS = {
     "rule.adam", "rule.sgd", "rule.lion",
     "weights.stochastic", "weights.kahan",
     "lines.seg_bounds", "lines.seg_slope", "lines.seg_offset", "lines.seg_cap", "lines.seg_top", "lines.seg_eps",
-    "lines.seg_present",
+    "lines.seg_present", "lines.val_shift", "lines.val_center", "lines.val_slope", "lines.val_offset", "lines.val_bias",
+    "lines.val_words", "lines.val_present",
     "table.rows", "table.size", "max_dims",
 }
 SEED = 1234

@@ -8,6 +8,7 @@ from qconf.codec import Codec
 from qconf.codec import segment_lines as sl
 from qconf.codec.native import codec_table
 from qconf.codec.octave_lines import octave_lines
+from qconf.codec.value_lines import VAL_SHIFT
 
 WITH_SEGMENTS = [("nonlinear", False), ("nonlinear", True), ("nonlinear-nozero", False), ("nonlinear-nozero", True),
                  ("linear", False), ("linear", True), ("power-1", False), ("power-1", True)]
@@ -41,7 +42,9 @@ def test_segments_are_built_and_match_the_count(map, signed):
     mids = _mids(map, signed)
     row = _row(map, signed)
     assert float(row[sl.SEG_PRESENT]) == 1.0
-    assert torch.equal(row, sl.segment_lines(mids, octave_lines(mids)))
+    built = sl.segment_lines(mids, octave_lines(mids))
+    assert torch.equal(row[:VAL_SHIFT], built[:VAL_SHIFT])  # (the value lines follow: test_value_lines)
+    assert not built[VAL_SHIFT:].any()
     assert sl.segments_exact(row, mids)
     bounds = row[sl.SEG_BOUNDS:sl.SEG_BOUNDS + sl.SEGMENTS + 1]
     assert bool((bounds[1:] >= bounds[:-1]).all())  # sorted, +inf padded: the kernels' search needs it

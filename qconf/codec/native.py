@@ -25,6 +25,7 @@ import torch
 from .._native import layout, native_available, native_error
 from .octave_lines import octave_lines
 from .segment_lines import segment_lines
+from .value_lines import value_lines
 
 __all__ = ["TABLE_ROWS", "TABLE_SIZE", "midpoint_grid", "codec_table", "scale_layout", "codec_descriptor",
            "encode", "decode", "check_native"]
@@ -100,7 +101,8 @@ def codec_table(codec: Any) -> torch.Tensor:
     7. 5- to 8-bit maps: the octave lines of the midpoints (:mod:`qconf.codec.octave_lines`), or
        zeros (search; 4-bit maps keep their 16-entry search, which is as cheap); 8-bit maps with
        octave lines also the segment lines from [162] (:mod:`qconf.codec.segment_lines`) where
-       they are exact
+       they are exact; 8-bit maps of 256 values the value lines from [205]
+       (:mod:`qconf.codec.value_lines`) where they are exact
     8, 9. rows 0 and 1 as 16-bit planes: the low halves of the 256 entries, then the high halves
     10, 11. rows 0 and 1 as byte planes: byte 0 of the 256 entries, then byte 1, 2, 3
        (raw bits in float32 storage, for the kernels' byte/word permutes: ``Isa::lookup256n``)
@@ -139,6 +141,8 @@ def codec_table(codec: Any) -> torch.Tensor:
         segments = segment_lines(codec.midpoints, lines) if codec.bits == 8 else None
         if segments is not None:
             t[7] = segments
+    if codec.bits == 8:
+        t[7] = value_lines(qmap.to(torch.float32), t[7])
     t[8], t[10] = _planes(t[0])
     t[9], t[11] = _planes(t[1])
     return t

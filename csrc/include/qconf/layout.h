@@ -149,6 +149,17 @@ constexpr int kSegCap = 187;
 constexpr int kSegTop = 195;
 constexpr int kSegEps = 203;
 constexpr int kSegPresent = 204;
+// also inside kRowLines, for 8-bit maps whose values lie on at most 8 lines over power-of-two runs
+// of codes (qconf/codec/value_lines.py, which has the same offsets): the code shift s and centre
+// C, per run the slope, offset and bias B (floats), 16 correction words (raw uint32 bits), and
+// 1.0 when present (the AVX2 kernels' 8-bit decode, tile_codec.h decode8)
+constexpr int kValShift = 205;
+constexpr int kValCenter = 206;
+constexpr int kValSlope = 207;
+constexpr int kValOffset = 215;
+constexpr int kValBias = 223;
+constexpr int kValWords = 231;
+constexpr int kValPresent = 247;
 
 // ---------------------------------------------------------------------------------------------
 // what torch.ops.qconf.layout() returns (host code only: not in the run-time compiled kernels)
@@ -223,6 +234,13 @@ constexpr LayoutEntry kLayout[] = {
     {"lines.seg_top", kSegTop},
     {"lines.seg_eps", kSegEps},
     {"lines.seg_present", kSegPresent},
+    {"lines.val_shift", kValShift},
+    {"lines.val_center", kValCenter},
+    {"lines.val_slope", kValSlope},
+    {"lines.val_offset", kValOffset},
+    {"lines.val_bias", kValBias},
+    {"lines.val_words", kValWords},
+    {"lines.val_present", kValPresent},
     {"table.rows", kTableRows},
     {"table.size", kTableSize},
     {"max_dims", kMaxDims},

@@ -82,6 +82,8 @@ struct Isa {
   static I max_u(I a, I b) { return _mm512_max_epu32(a.v, b.v); }
   static I min_i(I a, I b) { return _mm512_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm512_max_epi32(a.v, b.v); }
+  static I abs_i(I a) { return _mm512_abs_epi32(a.v); }    // |a| of int32 lanes
+  static I srlv(I a, I s) { return _mm512_srlv_epi32(a.v, s.v); }  // lane-wise a >> s (s < 32)
   static uint32_t hmax_u(I a) { return _mm512_reduce_max_epu32(a.v); }
   // Whether block scales come from the main loop's chunk maxima, a vector of blocks at a time
   // (quantizer.h block_scales_lanes); here a tile's 8 blocks of 128 fill half a vector, so no
@@ -117,6 +119,7 @@ struct Isa {
   // 8-bit nearest rounding by segment lines where the codec has them (quantizer.h): no, the
   // octave lines' single-permute lookups and byte-plane probe are as cheap here
   static constexpr bool kSegmentLines = false;
+  static constexpr bool kValueLines = false;  // (8-bit decodes permute the map's planes)
   struct T32 {
     __m512 lo, hi;
   };
@@ -380,6 +383,8 @@ struct Isa {
   static I max_u(I a, I b) { return _mm256_max_epu32(a.v, b.v); }
   static I min_i(I a, I b) { return _mm256_min_epi32(a.v, b.v); }
   static I max_i(I a, I b) { return _mm256_max_epi32(a.v, b.v); }
+  static I abs_i(I a) { return _mm256_abs_epi32(a.v); }
+  static I srlv(I a, I s) { return _mm256_srlv_epi32(a.v, s.v); }
   static uint32_t hmax_u(I a) {
     __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a.v), _mm256_extracti128_si256(a.v, 1));
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
@@ -425,6 +430,9 @@ struct Isa {
   // 8-bit nearest rounding by segment lines (quantizer.h): 8-entry tables, one vpermps each, and
   // a midpoint gather only for the rare values near a code boundary
   static constexpr bool kSegmentLines = true;
+  // 8-bit decodes by value lines where the codec has them (tile_codec.h decode8): about 20
+  // operations for 8 codes against a gather that costs more
+  static constexpr bool kValueLines = true;
   // 32-entry tables in four registers: index bits 0..2 by vpermps, bits 3 and 4 by blends
   struct T32 {
     __m256 r[4];
@@ -580,6 +588,8 @@ struct Isa {
   static I max_u(I a, I b) { return a > b ? a : b; }
   static I min_i(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
   static I max_i(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
+  static I abs_i(I a) { return static_cast<int32_t>(a) < 0 ? 0u - a : a; }
+  static I srlv(I a, I s) { return a >> s; }
   static uint32_t hmax_u(I a) { return a; }
   static constexpr bool kBlockMaxLanes = false;
   static I hmax_lanes(const I* v, int) { return v[0]; }
@@ -598,6 +608,7 @@ struct Isa {
   static constexpr bool kPermute256 = false;
   static constexpr bool kTable32 = false;
   static constexpr bool kSegmentLines = false;
+  static constexpr bool kValueLines = false;
   using T32 = const float*;
   static T32 table32(const float* t) { return t; }
   static F lookup32(T32 t, I idx) { return t[idx]; }

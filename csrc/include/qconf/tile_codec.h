@@ -208,6 +208,55 @@ inline void for_each_scale_run(const CodecDesc& c, const TensorDesc& t, const fl
 // max of a partial maximum (abs bit patterns) and m
 inline void fold_max(uint32_t* dst, uint32_t m) { *dst = m > *dst ? m : *dst; }
 
+// qmap[code] of 8-bit codes by the codec's value lines (qconf/codec/value_lines.py, which checks
+// that they give every code's exact bits): t = (code << s) - C, x = |t| + 1 as a float, run
+// d = exponent(x) & 7; the value's bits are those of fma(x, S[d], A[d]) plus the run's bias B[d]
+// plus a 2-bit correction (index |t| >> s), with the sign of t. present(c): whether this ISA
+// takes them for codec c.
+struct ValueLines {
+  bool mirror;  // s = 1
+  I center;
+  float bias_bits[8];  // B[d] as int32 bits
+  Isa::T8 slope, offset, bias;
+  Isa::T16 words;  // uint32 bits: 2 bits per index, 16 indices per word
+  explicit ValueLines(const float* lines)
+      : mirror(lines[kValShift] == 1.0f),
+        center(static_cast<uint32_t>(static_cast<int32_t>(lines[kValCenter]))),
+        slope(Isa::table8(lines + kValSlope)),
+        offset(Isa::table8(lines + kValOffset)),
+        words(Isa::table16(lines + kValWords)) {
+    for (int d = 0; d < 8; ++d) {
+      const int32_t b = static_cast<int32_t>(lines[kValBias + d]);
+      __builtin_memcpy(bias_bits + d, &b, 4);
+    }
+    bias = Isa::table8(bias_bits);
+  }
+  static bool present(const CodecDesc& c) { return Isa::kValueLines && c.bits == 8 && c.lines[kValPresent] == 1.0f; }
+  // Mirror: the signed form (s = 1); else s = 0 and C = 0, so t = |t| = i = code, sign +
+  template <bool Mirror>
+  F decode(I code) const {
+    const I t = Mirror ? (code << 1) - center : code;
+    const I a = Mirror ? Isa::abs_i(t) : t;
+    const F x = Isa::to_float(a + I(1u));
+    const I d = (Isa::bits(x) >> 23) & I(7u);
+    const F y = qfma(x, Isa::lookup8(slope, d), Isa::lookup8(offset, d));
+    // field i = a >> s: bits 2 (i & 15) of word i >> 4 (with a = 2i: a & 30 and a >> 5)
+    const I word = Isa::bits(Isa::lookup16(words, Mirror ? a >> 5 : a >> 4));
+    const I f = Isa::srlv(word, Mirror ? a & I(30u) : (a << 1) & I(30u)) & I(3u);
+    const I v = Isa::bits(y) + Isa::bits(Isa::lookup8(bias, d)) + f;
+    return Isa::from_bits(Mirror ? v ^ (t & I(0x80000000u)) : v);
+  }
+  // out[0..n) = the values of the codes load(j) of vectors j = 0, W, .. (n a multiple of W)
+  template <class Load>
+  void decode_all(Load load, int64_t n, float* out) const {
+    if (mirror) {
+      for (int64_t i = 0; i < n; i += W) Isa::store(out + i, decode<true>(load(i)));
+    } else {
+      for (int64_t i = 0; i < n; i += W) Isa::store(out + i, decode<false>(load(i)));
+    }
+  }
+};
+
 // ---------------------------------------------------------------------------------------------
 // dequantize: out[i] = qmap[code_i] * scale_i
 inline void dequantize(const StateDesc& st, const TensorDesc& t, int64_t start, int64_t n, float* out,
@@ -218,6 +267,9 @@ inline void dequantize(const StateDesc& st, const TensorDesc& t, int64_t start, 
   if (c.bits <= 4) {
     const auto tab = Isa::table16(c.qmap);
     for (; i + W <= n; i += W) Isa::store(out + i, Isa::lookup16(tab, Isa::load_i(codes + i)));
+  } else if (ValueLines::present(c)) {
+    i = n / W * W;
+    ValueLines(c.lines).decode_all([codes](int64_t j) { return Isa::load_i(codes + j); }, i, out);
   } else {
     for (; i + W <= n; i += W) Isa::store(out + i, Isa::gather(c.qmap, Isa::load_i(codes + i)));
   }
@@ -243,10 +295,15 @@ inline void dequantize(const StateDesc& st, const TensorDesc& t, int64_t start, 
 }
 
 
-// qmap[code] of n 8-bit codes (n a multiple of W) into out: Isa::kGroup vectors per lookup in
-// the map's planes, a fraction of the permutes of one vector at a time in the main loop (AVX2:
-// a gather per vector)
+// qmap[code] of n 8-bit codes (n a multiple of W) into out: by the codec's value lines where the
+// ISA takes them (AVX2), else Isa::kGroup vectors per lookup in the map's planes, a fraction of
+// the permutes of one vector at a time in the main loop (AVX2 without value lines: a gather per
+// vector)
 inline void decode8(const CodecDesc& c, const uint8_t* codes, int64_t n, float* out) {
+  if (ValueLines::present(c)) {
+    ValueLines(c.lines).decode_all([codes](int64_t i) { return Isa::unpack8(codes + i); }, n, out);
+    return;
+  }
   constexpr int G = Isa::kGroup;
   const Isa::T256P t = Isa::table256p(c.qmap, c.qmap_words, c.qmap_bytes);
   int64_t i = 0;
