@@ -430,8 +430,9 @@ struct Isa {
   // 8-bit nearest rounding by segment lines (quantizer.h): 8-entry tables, one vpermps each, and
   // a midpoint gather only for the rare values near a code boundary
   static constexpr bool kSegmentLines = true;
-  // 8-bit decodes by value lines where the codec has them (tile_codec.h decode8): about 20
-  // operations for 8 codes against a gather that costs more
+  // 8-bit decodes by value lines where the codec has them (tile_codec.h ValueLines): 19-24
+  // operations per 8 codes instead of a gather: about 5% off an 8bit.yml step on Zen 4; more
+  // where gathers are slower (Zen 2, Intel under the Gather Data Sampling mitigation; not measured)
   static constexpr bool kValueLines = true;
   // 32-entry tables in four registers: index bits 0..2 by vpermps, bits 3 and 4 by blends
   struct T32 {
