@@ -44,6 +44,17 @@ def train_steps(model, opt, n_steps: int, seed: int = 0, dtype=torch.float32, on
     return losses
 
 
+#: the CPU kernels' instruction sets, each one containing the one before it
+ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vbmi")
+
+
+def machine_isas() -> list[str]:
+    """The ISAs this machine can run (``QCONF_CPU_ISA`` values), in ``ISA_ORDER``."""
+    import qconf  # noqa: F401  (registers torch.ops.qconf)
+
+    return list(ISA_ORDER[: ISA_ORDER.index(str(torch.ops.qconf.cpu_isa_best())) + 1])
+
+
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-6) -> None:
     """max|actual - expected| <= rel * max|expected| (relative to the tensor's magnitude, so a
     1-ulp difference on a weight near zero does not count as a large relative error)."""

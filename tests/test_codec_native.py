@@ -9,6 +9,8 @@ import torch
 from qconf import Codec, _native
 from qconf.codec import MAP_NAMES, SCALE_TYPES
 
+from helpers import machine_isas
+
 if not _native.native_available():  # pragma: no cover
     pytest.skip(f"extension unavailable: {_native.native_error()}", allow_module_level=True)
 
@@ -45,8 +47,7 @@ def test_native_non_finite_and_zero_blocks_match():
 
 
 def test_native_identical_across_isas_and_threads(monkeypatch):
-    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
-    isas = order[: order.index(torch.ops.qconf.cpu_isa_best()) + 1]
+    isas = machine_isas()
     c = Codec(bits=8, map="nonlinear", scale="rank1", rounding="stochastic")
     x = torch.randn(300, 700)
     noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(0))

@@ -17,19 +17,13 @@ from qconf import _native
 from qconf.codec import MAP_NAMES, SCALE_TYPES, QTensor, packing
 from qconf.optim import SGD, Adam, AdamW, Lion
 
-from helpers import CONFIGS, assert_rel_close
+from helpers import CONFIGS, assert_rel_close, machine_isas
 
 if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
     pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
 
 SHAPES = [(1,), (127,), (4097,), (33, 130), (3, 5, 7), (2, 3, 4, 5), (64, 96), (3, 4, 32)]
 ALL_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yml"))
-
-
-def _isas():
-    best = torch.ops.qconf.cpu_isa_best()
-    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
-    return order[: order.index(best) + 1]
 
 
 def _params(shapes, dtype, seed=0):
@@ -71,7 +65,7 @@ def _run(make, shapes, dtype, steps, fused, noncontig=False, isa=None, threads=N
 def _fused_on_each_isa(make, shapes, dtype, steps, monkeypatch, noncontig=False):
     """The fused run once per instruction set this machine has (scalar, avx2, ... up to the best):
     each one must give the reference's bits."""
-    return [_run(make, shapes, dtype, steps, True, noncontig, isa=isa, monkeypatch=monkeypatch) for isa in _isas()]
+    return [_run(make, shapes, dtype, steps, True, noncontig, isa=isa, monkeypatch=monkeypatch) for isa in machine_isas()]
 
 
 def _assert_same(ref, fused, exact_params=True):
@@ -172,7 +166,7 @@ def test_non_finite_gradients_give_the_same_states(scale, bits, rounding, monkey
     cfg = {"min_numel": 0, "states": {"exp_avg": state, "exp_avg_sq": {**state, "map": "power-1"}}}
     shapes = [(48, 64), (3, 4, 32)]
     runs = []
-    for fused, isa in [(False, None)] + [(True, isa) for isa in _isas()]:
+    for fused, isa in [(False, None)] + [(True, isa) for isa in machine_isas()]:
         params = _params(shapes, torch.float32)
         opt = AdamW(params, lr=1e-2, weight_decay=0.01, qconfig=cfg, fused=fused, seed=3)
         if isa is not None:
@@ -212,7 +206,7 @@ def test_bf16_parameters_stay_nan_where_the_nan_has_low_bits(monkeypatch):
                                       "exp_avg_sq": {"bits": 4, "scale": "group", "group_size": 32,
                                                      "signed": False}}}
     runs = []
-    for fused, isa in [(False, None)] + [(True, isa) for isa in _isas()]:
+    for fused, isa in [(False, None)] + [(True, isa) for isa in machine_isas()]:
         if isa is not None:
             monkeypatch.setenv("QCONF_CPU_ISA", isa)
         params = _params(shapes, torch.bfloat16)
@@ -277,7 +271,7 @@ def test_grid_maps_round_like_the_search_at_and_around_every_midpoint(bits):
     assert torch.equal(buf.scales, torch.ones_like(buf.scales))  # the values were normalized by 1
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", machine_isas())
 @pytest.mark.parametrize("map,signed", [("nonlinear", True), ("nonlinear", False), ("linear", True),
                                         ("float-point", True), ("power-2", True), ("power-2", False)])
 def test_octave_lines_round_like_the_search_at_every_interval_end(map, signed, isa, monkeypatch):
@@ -347,7 +341,7 @@ def test_identical_across_isas_and_thread_counts(config, monkeypatch):
     shapes = SHAPES + [(256, 1024)]  # big enough for several tiles per thread
     make = RULES["adamw"](cfg)
     runs = [_run(make, shapes, torch.float32, 5, True, isa=isa, threads=t, monkeypatch=monkeypatch)
-            for isa in _isas() for t in (1, 2)]
+            for isa in machine_isas() for t in (1, 2)]
     for other in runs[1:]:
         _assert_same(runs[0], other)
 
@@ -411,7 +405,7 @@ def test_low_precision_weights_match_reference_bit_for_bit(weights, rule, dtype,
         assert "kahan_comp" in fus[1].state[fus[0][0]] or "kahan" not in weights
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", machine_isas())
 def test_low_precision_weights_identical_across_isas_and_threads(isa, monkeypatch):
     cfg = {"base": str(CONFIGS / "2nd_moment_group_128.yml"),
            "weights": {"rounding": "stochastic", "compensation": "kahan"}}

@@ -21,7 +21,7 @@ from qconf.codec.scales import FLT_MIN, expand_reciprocals
 from qconf.optim import SGD, AdamW, Lion
 from qconf.optim.fused import GroupPlan, _signed64
 
-from helpers import CONFIGS
+from helpers import CONFIGS, ISA_ORDER, machine_isas
 
 if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
     pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
@@ -297,10 +297,9 @@ def test_reduce_checks_the_gradients():
         plan.reduce(hyper, opt._seed, grads)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512", "avx512vbmi"])
+@pytest.mark.parametrize("isa", ISA_ORDER)
 def test_split_step_on_every_isa(isa, monkeypatch):
-    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
-    if order.index(isa) > order.index(torch.ops.qconf.cpu_isa_best()):
+    if isa not in machine_isas():
         pytest.skip(f"{isa} not supported here")
     monkeypatch.setenv("QCONF_CPU_ISA", isa)
     (pa, oa), (pb, ob), _ = _run_pair(RULES["adamw"], _state_cfg("rank1", 4, "stochastic"), torch.float32, 2)
@@ -357,13 +356,12 @@ def _offset_run(offset):
     return p.detach().clone(), {k: v for k, v in opt.state[p].items()}
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512vbmi"])
+@pytest.mark.parametrize("isa", ISA_ORDER[1:])
 @pytest.mark.parametrize("offset", [2**32 - 37, 2**33 - 36, 2**33 - 37])
 def test_rng_offsets_across_word_boundaries_give_every_isa_the_scalar_bits(isa, offset, monkeypatch):
     """Vector lanes whose stream elements (or, for bf16's half hashes, pair indexes) cross a 2^32
     boundary draw the bits of the scalar path (element.h, checked against qconf.codec.rng)."""
-    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
-    if order.index(isa) > order.index(torch.ops.qconf.cpu_isa_best()):
+    if isa not in machine_isas():
         pytest.skip(f"{isa} not supported here")
     monkeypatch.setenv("QCONF_CPU_ISA", "scalar")
     want_p, want_state = _offset_run(offset)

@@ -10,12 +10,12 @@ import torch
 from qconf import Codec, _native
 from qconf.codec import integer, scales
 
+from helpers import machine_isas
+
 if not _native.native_available():  # pragma: no cover
     pytest.skip(f"extension unavailable: {_native.native_error()}", allow_module_level=True)
 
-ISAS = [i for i in ("scalar", "avx2", "avx512", "avx512vbmi")
-        if ["scalar", "avx2", "avx512", "avx512vbmi"].index(i) <=
-        ["scalar", "avx2", "avx512", "avx512vbmi"].index(str(torch.ops.qconf.cpu_isa_best()))]
+ISAS = machine_isas()
 SPECIAL = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 126.5, 127.5, -127.5,
            1e30, -1e30, 1e-40, -1e-45, 3.4e38]
 

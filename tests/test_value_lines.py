@@ -11,6 +11,8 @@ from qconf.codec.native import codec_table
 from qconf.codec.native import decode as native_decode
 from qconf.optim import SGD
 
+from helpers import machine_isas
+
 WITH_LINES = [("nonlinear", False), ("nonlinear", True), ("nonlinear-nozero", True), ("power-1", False),
               ("power-1", True), ("linear", False)]
 WITHOUT_LINES = [("nonlinear-nozero", False), ("power-2", False), ("power-2", True), ("power-3", False),
@@ -23,12 +25,6 @@ def _codec(map, signed):
 
 def _bits(x):
     return x.contiguous().view(torch.int32)
-
-
-def _isas():
-    best = torch.ops.qconf.cpu_isa_best()
-    order = ["scalar", "avx2", "avx512", "avx512vbmi"]
-    return order[: order.index(best) + 1]
 
 
 def _mixed_codes(n, seed=0):
@@ -88,7 +84,7 @@ def test_offsets_match_the_kernels_layout():
         vl.VAL_SHIFT, vl.VAL_CENTER, vl.VAL_SLOPE, vl.VAL_OFFSET, vl.VAL_BIAS, vl.VAL_WORDS, vl.VAL_PRESENT]
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", machine_isas())
 @pytest.mark.parametrize("map,signed", WITH_LINES + [("power-2", False)])
 def test_every_code_decodes_to_its_value_on_every_isa(map, signed, isa, monkeypatch):
     # the native decode (tile_codec.h dequantize: value lines on AVX2 where the codec has them,
@@ -106,7 +102,7 @@ def test_every_code_decodes_to_its_value_on_every_isa(map, signed, isa, monkeypa
     assert torch.equal(_bits(got), _bits(expect))
 
 
-@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("isa", machine_isas())
 @pytest.mark.parametrize("map,signed", WITH_LINES)
 def test_the_fused_step_reads_every_code_on_every_isa(map, signed, isa, monkeypatch):
     # SGD with momentum 1, no dampening, lr 1 and a zero gradient: the new parameter is exactly
