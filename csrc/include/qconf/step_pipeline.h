@@ -123,13 +123,6 @@ inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* sc
   s.decoded = scratch;
 }
 
-// qmap[code] of elements i .. i+W-1 of the tile (4/8-bit kinds)
-template <int IO>
-inline F code_value(const StateIn& s, int64_t i) {
-  if constexpr (io_q4(IO)) return Isa::lookup16_packed4(Isa::table16(s.qmap), s.codes + static_cast<uint64_t>(i) / 2);
-  else return Isa::load(s.decoded + i);
-}
-
 // One old scale per main-loop chunk of a single-pass block state (kIOQ*B): out[q] is the scale
 // of elements start + q * kMainChunk .. of the tile (a chunk never straddles two blocks).
 // Whole-register stores: a block's last store may run up to W-1 entries past its chunks (the next
@@ -325,24 +318,44 @@ inline int state_io(const StateDesc& st, int64_t start, int64_t n) {
 
 
 // ---------------------------------------------------------------------------------------------
-// One vector of rank1_reduce: elements i .. i+W-1 of the tile, whose column scales and column
-// partial maxima start at col_scale, col_max. RowNan: the row's part is NaN, and
-// fmin_nan(NaN, col) = col.
+// The inputs of rank1_reduce from element i of the tile on (one chunk of a row run, or one
+// vector of its tail), every address a constant offset from these pointers once the chunk's
+// vectors are unrolled (the index shifts per vector were a tenth of the loop).
+template <int IO>
+struct Rank1In {
+  const float *p, *g, *col_scale;
+  uint32_t* col_max;
+  const uint8_t* codes;  // kIOQ4
+  const float* decoded;  // kIOQ8: qmap[code] (decode8)
+  Rank1In(const StateIn& in, const float* p_, const float* g_, int64_t i, const float* col_scale_,
+          uint32_t* col_max_)
+      : p(p_ + i), g(g_ + i), col_scale(col_scale_), col_max(col_max_) {
+    if constexpr (io_q4(IO)) codes = in.codes + static_cast<uint64_t>(i) / 2;  // (i >= 0: a shift)
+    else decoded = in.decoded + i;
+  }
+  // qmap[code] of elements k .. k+W-1 from here (k a multiple of W)
+  F code_value(const Isa::T16& qmap16, int64_t k) const {
+    if constexpr (io_q4(IO)) return Isa::lookup16_packed4(qmap16, codes + k / 2);
+    else return Isa::load(decoded + k);
+  }
+};
+
+// One vector of rank1_reduce: elements k .. k+W-1 from `in`. RowNan: the row's part is NaN,
+// and fmin_nan(NaN, col) = col.
 template <class Rule, int K, int IO, bool Plain, bool RowNan>
-inline __attribute__((always_inline)) void rank1_vector(const StateIn& in, const float* p, const float* g, int64_t i,
-                                                        const float* col_scale, uint32_t* col_max, F row_scale,
-                                                        const Scalars& h, I& row_max) {
-  const F col_j = Isa::load(col_scale);
+inline __attribute__((always_inline)) void rank1_vector(const Rank1In<IO>& in, int64_t k, const Isa::T16& qmap16,
+                                                        F row_scale, const Scalars& h, I& row_max) {
+  const F col_j = Isa::load(in.col_scale + k);
   F scale = col_j;
   if constexpr (!RowNan) scale = Isa::min_or(col_j, row_scale);
-  F P = Isa::load(p + i);
+  F P = Isa::load(in.p + k);
   F S[2] = {F(0.0f), F(0.0f)};
-  S[K] = code_value<IO>(in, i) * scale;
-  if constexpr (Plain) Rule::apply_plain(P, Isa::load(g + i), S[0], S[1], h);
-  else Rule::apply(P, Isa::load(g + i), S[0], S[1], h, true);
+  S[K] = in.code_value(qmap16, k) * scale;
+  if constexpr (Plain) Rule::apply_plain(P, Isa::load(in.g + k), S[0], S[1], h);
+  else Rule::apply(P, Isa::load(in.g + k), S[0], S[1], h, true);
   const I a = finite_abs_v(S[K]);
   row_max = Isa::max_u(row_max, a);
-  Isa::store_i(col_max, Isa::max_u(Isa::load_i(col_max), a));
+  Isa::store_i(in.col_max + k, Isa::max_u(Isa::load_i(in.col_max + k), a));
 }
 
 // One row run of rank1_reduce (elements off .. off+len-1 of the tile): the columns' partial
@@ -352,6 +365,7 @@ inline uint32_t rank1_row(const StateIn& in_, const float* p, const float* g, in
                           const float* col_scale, uint32_t* col_max, float part, const Scalars& h_, NextLines& next) {
   const StateIn in = in_;  // (locals: the stores to col_max could alias the references, and every
   const Scalars h = h_;    // vector would reload them)
+  const Isa::T16 qmap16 = Isa::table16(in.qmap);
   const F row_scale(part);
   I row_max(0u);
   NextLines nx = next;
@@ -359,13 +373,15 @@ inline uint32_t rank1_row(const StateIn& in_, const float* p, const float* g, in
   int64_t j = 0;
   for (; j + kMainChunk <= len; j += kMainChunk) {
     for (int64_t q = 0; q < kMainChunk; q += 16) nx.step();
+    const Rank1In<IO> c(in, p, g, off + j, col_scale + j, col_max + j);
 #pragma GCC unroll 8
-    for (int64_t k = j; k < j + kMainChunk; k += W)
-      rank1_vector<Rule, K, IO, Plain, RowNan>(in, p, g, off + k, col_scale + k, col_max + k, row_scale, h, row_max);
+    for (int64_t k = 0; k < kMainChunk; k += W)
+      rank1_vector<Rule, K, IO, Plain, RowNan>(c, k, qmap16, row_scale, h, row_max);
   }
   for (; j < len; j += W) {
     if (((off + j) & 15) == 0) nx.step();
-    rank1_vector<Rule, K, IO, Plain, RowNan>(in, p, g, off + j, col_scale + j, col_max + j, row_scale, h, row_max);
+    const Rank1In<IO> c(in, p, g, off + j, col_scale + j, col_max + j);
+    rank1_vector<Rule, K, IO, Plain, RowNan>(c, 0, qmap16, row_scale, h, row_max);
   }
   next = nx;
   return Isa::hmax_u(row_max);
