@@ -48,9 +48,9 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).view(torch.int32).long()
 
 
-def _words_as_f32(words: list[int]) -> torch.Tensor:
-    """uint32 values (< 2**32) as raw bits in float32 storage."""
-    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32).view(torch.float32)
+def _u32_as_f32(v: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as those uint32 bits in float32 storage."""
+    return (v - ((v >= 1 << 31).long() << 32)).to(torch.int32).view(torch.float32)
 
 
 def _index(codes: torch.Tensor, shift: int, center: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,8 +71,7 @@ def decode(row: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     f = (words[(i >> 4) & (WORDS - 1)] >> (2 * (i & 15))) & 3
     bias = row[VAL_BIAS:VAL_BIAS + RUNS].long()[d]
     v = (_bits(y) + bias + f) & 0xFFFFFFFF
-    v = v ^ (t < 0).long() << 31
-    return v.to(torch.int64).sub((v >= 2**31).long() << 32).to(torch.int32).view(torch.float32)
+    return _u32_as_f32(v ^ (t < 0).long() << 31)
 
 
 def values_exact(row: torch.Tensor, qmap: torch.Tensor) -> bool:
@@ -131,7 +130,7 @@ def _fit(qmap_bits: bytes) -> torch.Tensor | None:
             row[VAL_SHIFT] = float(shift)
             row[VAL_CENTER] = float(center)
             row[VAL_BIAS:VAL_BIAS + RUNS] = torch.tensor(bias, dtype=torch.float32)
-            row[VAL_WORDS:VAL_WORDS + WORDS] = _words_as_f32(words)
+            row[VAL_WORDS:VAL_WORDS + WORDS] = _u32_as_f32(torch.tensor(words))
             row[VAL_PRESENT] = 1.0
             if values_exact(row, qmap):
                 return row
