@@ -15,6 +15,15 @@ from setuptools import find_packages, setup
 # run time: csrc/spec/spec_source.cpp). Every header spec_kernel.cuh includes, in include order.
 KERNEL_HEADERS = ["fixed_int.h", "layout.h", "element.h", "spec.h", "spec_octet.h", "spec_kernel.cuh"]
 
+# Link flags of the extension. --exclude-libs,ALL: whatever comes from a static archive stays private
+# to qconf._C. Some toolchains link libstdc++ statically into a shared object (the GPU machine's
+# /opt/gcc did); its exported locale and stream symbols are then bound to the process's shared
+# libstdc++, which numbers the locale facets differently, and formatting an integer into a stream
+# (every error message with a count or index) printed nothing or crashed. With the archive's
+# symbols local, the private copy is consistent with itself (tests/test_link_isolation.py). No
+# effect where libstdc++ is shared.
+LINK_ARGS = ["-Wl,--exclude-libs,ALL"]
+
 
 def _kernel_sources(here):
     """Write build/generated/qconf_kernel_sources.inc ({include name, text} pairs of KERNEL_HEADERS,
@@ -64,10 +73,10 @@ def _extensions():
                              "like '80 90'")
         nvcc = ["-O3", "-std=c++17", "--fmad=false", "-DQCONF_WITH_CUDA", "-Xcompiler", "-ffp-contract=off",
                 *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
-        ext = CUDAExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"],
+        ext = CUDAExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"], extra_link_args=LINK_ARGS,
                             extra_compile_args={"cxx": cxx + ["-DQCONF_WITH_CUDA"], "nvcc": nvcc})
     else:
-        ext = CppExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"],
+        ext = CppExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"], extra_link_args=LINK_ARGS,
                            extra_compile_args={"cxx": cxx})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
