@@ -17,6 +17,7 @@ torch.ops.qconf.cuda_specs, typed by cuda_spec_source), compiled once per sessio
 """
 from __future__ import annotations
 
+import ast
 import copy
 import re
 from pathlib import Path
@@ -491,6 +492,36 @@ def test_bf16_stochastic_rounding_follows_the_rng_offset(emu):
                                        _offset_meta(plan.meta, PAIR_OFFSETS), plan.tables, hyper, seed)
     assert all(".bf16-sr-" in names[i] for i in (0, 3, 4)), names
     assert all(".bf16-sr.each-" in names[i] for i in (1, 2, 5)), names  # (6: rows of 640, generic)
+
+
+def _gpu_test_literal(name):
+    """A module-level literal of tests/gpu/test_specialized_cuda.py (read, not imported: that module
+    needs a GPU and its sibling on sys.path)."""
+    tree = ast.parse((ROOT / "tests" / "gpu" / "test_specialized_cuda.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                      else None)
+        if getattr(target, "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"tests/gpu/test_specialized_cuda.py defines no {name}")
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd", "lion"])
+@pytest.mark.parametrize("weights", ["kahan_q8", "sr_kahan_q4"])
+def test_the_gpu_quantized_kahan_cases_take_only_specialized_kernels(weights, opt_name):
+    """The GPU test of quantized Kahan buffers (which the generic CUDA kernel refuses) uses shapes
+    that every rule's specialized kernels take: on the GPU a (96, 64) parameter beside AdamW's
+    rank-1 second moment was refused instead of compared."""
+    cases = _gpu_test_literal("WEIGHTS")
+    assert cases[weights] == WEIGHTS[weights]
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16))
+              for s in _gpu_test_literal("WEIGHTS_SHAPES")]
+    opt = OPTIMIZERS[opt_name](params, _config(f"weights_{weights}"))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    names = _spec_names(opt)
+    assert len(names) == len(params) and not [n for n in names if n.startswith("generic")], names
 
 
 def test_generic_reasons_name_what_is_not_specialized():

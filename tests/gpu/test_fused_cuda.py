@@ -239,7 +239,10 @@ def test_cuda_low_precision_weights_match_cpu_fused(weights, opt_name, dtype, al
     assert_identical(cuda_params, cuda_opt, cpu_params, cpu_opt)
 
 
-def test_cuda_quantized_kahan_buffer_is_refused_clearly(allow_cuda_fusion):
+def test_cuda_quantized_kahan_buffer_is_refused_clearly(allow_cuda_fusion, monkeypatch):
+    # the generic kernel's refusal (the specialized kernels take this buffer:
+    # test_specialized_cuda.py), whatever QCONF_CUDA_KERNELS the suite runs under
+    monkeypatch.setenv("QCONF_CUDA_KERNELS", "generic")
     p = torch.nn.Parameter(torch.randn(64, 64, device="cuda").to(torch.bfloat16))
     p.grad = torch.randn_like(p)
     opt = AdamW([p], compensation="kahan", qconfig={"weights": {"compensation_codec": {"bits": 8}}}, fused=True)

@@ -78,6 +78,8 @@ def test_specialized_non_finite_gradients_match_cpu_fused(config, allow_cuda_fus
         torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, equal_nan=True, msg=str(k))
 
 
+#: the parameters of the low-precision weights cases (every one a specialized kernel takes)
+WEIGHTS_SHAPES = [(96, 128), (96,), (4099,), (64, 256)]
 WEIGHTS = {"sr": {"rounding": "stochastic"}, "kahan": {"compensation": "kahan"},
            "sr_kahan": {"rounding": "stochastic", "compensation": "kahan"},
            "kahan_q8": {"compensation": "kahan", "compensation_codec": {"bits": 8, "group_size": 128}},
@@ -91,13 +93,14 @@ WEIGHTS = {"sr": {"rounding": "stochastic"}, "kahan": {"compensation": "kahan"},
 def test_specialized_low_precision_weights_match_cpu_fused(weights, opt_name, dtype, allow_cuda_fusion,
                                                            monkeypatch):
     """Stochastic rounding, Kahan buffers in the parameter's dtype and quantized (which the
-    generic CUDA kernel refuses): bit-identical to the CPU. The shapes the specialized kernels
-    take (no 3-D 5x5 kernels or 7x3 tensors: those take the generic kernel, which has no
-    quantized buffer)."""
+    generic CUDA kernel refuses): bit-identical to the CPU. Only shapes the specialized kernels
+    take, for every rule (the generic kernel has no quantized buffer): no 3-D 5x5 kernels or 7x3
+    tensors, and no rows of 64 -- beside AdamW's rank-1 second moment, exp_avg's blocks of 128
+    would span two rows (tests/test_spec_host.py checks these shapes' specs on the host)."""
     name = f"weights_{weights}"
     monkeypatch.setitem(EXTRA_CONFIGS, name, {"base": str(CONFIGS / "default.yml"), "min_numel": 100,
                                               "weights": WEIGHTS[weights]})
-    shapes = [(96, 64), (96,), (4099,), (64, 256)]
+    shapes = WEIGHTS_SHAPES
     cuda_params, cuda_opt = run(opt_name, name, dtype, "cuda", True, steps=5, shapes=shapes)
     cpu_params, cpu_opt = run(opt_name, name, dtype, "cpu", True, steps=5, shapes=shapes)
     assert_identical(cuda_params, cuda_opt, cpu_params, cpu_opt)

@@ -7,6 +7,8 @@
 // and compares them bit for bit with the CPU kernel.
 #pragma once
 
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "qconf/spec_octet.h"
@@ -31,19 +33,41 @@ void group_maxima(std::vector<Maxima>& mx) {
   }
 }
 
+// On the GPU every lane of a warp executes each warp shuffle (Lanes16: __shfl_sync over the whole
+// warp); `shuffles` holds what each thread of the block did in one phase, which must be the same
+// for the 32 lanes of each warp (a lane that skips a lookup its neighbours make reads garbage).
+inline void expect_converged(const std::vector<uint64_t>& shuffles, const char* phase) {
+  for (int w = 0; w < kThreads; w += kWarp)
+    for (int i = w + 1; i < w + kWarp; ++i)
+      if (shuffles[i] != shuffles[w])
+        throw std::runtime_error(std::string("spec kernels: in the ") + phase + " of an octet, lane " +
+                                 std::to_string(i - w) + " of warp " + std::to_string(w / kWarp) + " made " +
+                                 std::to_string(shuffles[i]) + " warp shuffles and lane 0 made " +
+                                 std::to_string(shuffles[w]) + " (divergent lanes in a whole-warp shuffle)");
+}
+
 // One block iteration of the apply pass: every thread's octet computed, the groups' maxima, then
-// every thread's stores.
+// every thread's stores (each phase's warp shuffles checked for convergence).
 template <class S, bool FULL>
 void apply_iteration(const SpecArgs& a, const SpecLooks<S>& tabs, const View& v, const Keys& keys,
                      const std::vector<At>& at) {
   std::vector<Octet> o(kThreads);
   std::vector<Maxima> mx(kThreads);
+  std::vector<uint64_t> shuffles(kThreads);
   for (int i = 0; i < kThreads; ++i) {
+    const uint64_t before = host_shuffles();
     compute_octet<S, FULL>(a, tabs, v, keys, at[i], o[i]);
+    shuffles[i] = host_shuffles() - before;
     mx[i] = octet_maxima<S, FULL>(o[i], at[i].cnt);
   }
+  expect_converged(shuffles, "loads and update");
   group_maxima<S>(mx);
-  for (int i = 0; i < kThreads; ++i) store_states<S, FULL>(tabs, v, keys, at[i], o[i], mx[i]);
+  for (int i = 0; i < kThreads; ++i) {
+    const uint64_t before = host_shuffles();
+    store_states<S, FULL>(tabs, v, keys, at[i], o[i], mx[i]);
+    shuffles[i] = host_shuffles() - before;
+  }
+  expect_converged(shuffles, "quantize and stores");
 }
 
 template <class S>

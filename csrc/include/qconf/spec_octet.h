@@ -12,8 +12,41 @@
 
 #include "qconf/spec.h"
 
+#if !defined(__CUDACC_RTC__) && !defined(__CUDA_ARCH__)
+#include <stdexcept>
+#include <string>
+#endif
+
 namespace qconf {
 namespace spec {
+
+// ---------------------------------------------------------------------------------------------
+// what only a GPU would notice, checked by the host model (tests/test_spec_host.py): a vector
+// access needs its width's alignment (the host copies with memcpy, which takes any), and a warp
+// shuffle (Lanes16) must be executed by every lane of the warp (the host runs threads in turn).
+// Both are nothing on the GPU.
+
+#if !defined(__CUDA_ARCH__)
+// Warp shuffles this host thread has modelled (Lanes16 lookups); spec_emulate.h compares the
+// counts of a warp's lanes.
+inline uint64_t& host_shuffles() {
+  static thread_local uint64_t n = 0;
+  return n;
+}
+#endif
+
+// A vector access of BYTES bytes at p (a GPU needs p aligned to BYTES).
+template <int BYTES>
+QCONF_HD void expect_aligned(const void* p) {
+#if !defined(__CUDA_ARCH__)
+  if ((reinterpret_cast<uintptr_t>(p) & (BYTES - 1)) != 0)
+    throw std::runtime_error("spec kernels: a " + std::to_string(BYTES) + "-byte vector access at an address " +
+                             std::to_string(reinterpret_cast<uintptr_t>(p) & 15u) +
+                             " bytes past 16-byte alignment (a misaligned address on the GPU)");
+#else
+  (void)p;
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // memory: N (4 or 8) values of a float32 / bfloat16 / float16 tensor, and the packed codes of an
@@ -28,6 +61,7 @@ QCONF_HD W load_word(const void* p) {
 #if defined(__CUDA_ARCH__)
   return *static_cast<const W*>(p);
 #else
+  expect_aligned<sizeof(W)>(p);
   W w;
   std::memcpy(&w, p, sizeof(W));
   return w;
@@ -39,6 +73,7 @@ QCONF_HD void store_word(void* p, W w) {
 #if defined(__CUDA_ARCH__)
   *static_cast<W*>(p) = w;
 #else
+  expect_aligned<sizeof(W)>(p);
   std::memcpy(p, &w, sizeof(W));
 #endif
 }
@@ -50,6 +85,7 @@ QCONF_HD void store_word(void* p, W w) {
 template <int N, bool FULL>
 QCONF_HD void load_bits16(const void* base, int64_t e, int cnt, uint16_t out[N]) {
   const uint16_t* s = static_cast<const uint16_t*>(base) + e;
+  if constexpr (FULL) expect_aligned<2 * N>(s);
 #if defined(__CUDA_ARCH__)
   if constexpr (FULL) {
     uint32_t w[N / 2];
@@ -78,6 +114,7 @@ template <int DT, int N, bool FULL>
 QCONF_HD void load_values(const void* base, int64_t e, int cnt, float out[N]) {
   if constexpr (DT == kF32) {
     const float* s = static_cast<const float*>(base) + e;
+    if constexpr (FULL) expect_aligned<16>(s);
 #if defined(__CUDA_ARCH__)
     if constexpr (FULL) {
 #pragma unroll
@@ -104,6 +141,8 @@ QCONF_HD void load_values(const void* base, int64_t e, int cnt, float out[N]) {
 template <int N, bool FULL>
 QCONF_HD void store_f32(void* base, int64_t e, int cnt, const float in[N]) {
   float* d = static_cast<float*>(base) + e;
+  if constexpr (FULL)
+    if (cnt > 0) expect_aligned<16>(d);
 #if defined(__CUDA_ARCH__)
   if constexpr (FULL) {
     if (cnt <= 0) return;
@@ -122,6 +161,8 @@ QCONF_HD void store_f32(void* base, int64_t e, int cnt, const float in[N]) {
 template <int N, bool FULL>
 QCONF_HD void store_u16(void* base, int64_t e, int cnt, const uint16_t in[N]) {
   uint16_t* d = static_cast<uint16_t*>(base) + e;
+  if constexpr (FULL)
+    if (cnt > 0) expect_aligned<2 * N>(d);
 #if defined(__CUDA_ARCH__)
   if constexpr (FULL) {
     uint32_t w[N / 2];
@@ -199,6 +240,8 @@ QCONF_HD void round_words(const float in[N], uint32_t out[N / 2]) {
 template <int N, bool FULL>
 QCONF_HD void store_words(void* base, int64_t e, int cnt, const uint32_t w[N / 2]) {
   uint16_t* d = static_cast<uint16_t*>(base) + e;
+  if constexpr (FULL)
+    if (cnt > 0) expect_aligned<2 * N>(d);
 #if defined(__CUDA_ARCH__)
   if constexpr (FULL) {
     if (cnt <= 0) return;
@@ -374,6 +417,7 @@ struct Lanes16 {
 #if defined(__CUDA_ARCH__)
     return __shfl_sync(0xffffffffu, v, static_cast<int>(i));
 #else
+    ++host_shuffles();
     return p[i & 15u];
 #endif
   }
@@ -643,6 +687,13 @@ QCONF_HD Keys unit_keys(const SpecArgs& a, const SpecTensor& t, const View& v) {
   return keys;
 }
 
+// How a rank-1 state's column scales and reciprocals are loaded: one element at a time (FULL
+// false with a whole count), not as vectors. They follow the rows' entries (a tensor's stored
+// scales are its rows' then its columns'; the reciprocals' scratch holds tensor after tensor), so
+// they are 16-byte aligned only when the row counts happen to be multiples of 4: a (33, 128)
+// tensor's column loads were misaligned addresses on the GPU.
+constexpr bool kColumnLoads = false;
+
 // The old values of a state, half an octet at a time (kHalf elements: the two halves of an octet
 // are loaded and updated one after the other, so that half the registers carry them): fp32 /
 // 16-bit values, or codes -> qmap[code] * old scale (the group's, or min(row, column) for rank1,
@@ -674,8 +725,8 @@ struct OldState {
 #pragma unroll
         for (int j = 0; j < kHalf; ++j) sc[j] = scale;
       } else {
-        float col[kHalf];
-        load_values<kF32, kHalf, true>(v.cols_old[k], at.c8 + h * kHalf, kHalf, col);
+        float col[kHalf];  // element loads: see kColumnLoads
+        load_values<kF32, kHalf, kColumnLoads>(v.cols_old[k], at.c8 + h * kHalf, kHalf, col);
 #pragma unroll
         for (int j = 0; j < kHalf; ++j) sc[j] = fmin_nan(scale, col[j]);
       }
@@ -732,7 +783,10 @@ QCONF_HD uint64_t quantize_octet(const StateLook<St>& tab, const float x[kElems]
 #pragma unroll
   for (int j = 0; j < kElems; ++j) {
     const float u = St::kStochastic ? uniform01(hash_bits(key, static_cast<uint64_t>(e + j))) : 0.0f;
-    c[j] = FULL || j < cnt ? static_cast<uint32_t>(tab.code(x[j], r[j], u)) : 0u;
+    // every element's code, then the ones past cnt dropped: stochastic rounding looks the map up
+    // with warp shuffles (Lanes16), which every lane of the warp must execute, elements or not
+    const uint32_t code = static_cast<uint32_t>(tab.code(x[j], r[j], u));
+    c[j] = FULL || j < cnt ? code : 0u;
   }
   return pack_codes<St::kBits>(c);
 }
@@ -760,8 +814,8 @@ QCONF_HD void store_state(const View& v, int k, const StateLook<St>& tab, const 
       if (at.lo % St::kGroup == 0 && at.cnt > 0) v.scales[k][at.lo / St::kGroup] = scale;
     } else {
       const float row = v.row_recip[k][at.r];
-      float col[kElems];
-      load_values<kF32, kElems, true>(v.col_recip[k], at.c8, kElems, col);
+      float col[kElems];  // element loads: see kColumnLoads
+      load_values<kF32, kElems, kColumnLoads>(v.col_recip[k], at.c8, kElems, col);
 #pragma unroll
       for (int j = 0; j < kElems; ++j) r[j] = normalize0(fmax_nan(row, col[j]));
     }
