@@ -38,9 +38,11 @@ for s in "${STAGES[@]}"; do
     wheels)
       if compgen -G "wheels/*.whl" >/dev/null; then stage wheels "$PY" -m pip install --no-deps wheels/*.whl; fi ;;
     tests)
-      stage tests_generic env OMP_NUM_THREADS=1 "$PY" -m pytest tests/gpu -n 13 -p no:benchmark -q -rs
+      # --max-worker-restart: a crashing kernel ends the run after a few workers, not after dozens
+      stage tests_generic env OMP_NUM_THREADS=1 "$PY" -m pytest tests/gpu -n 13 -p no:benchmark -q -rs \
+        --max-worker-restart 2
       stage tests_specialized env OMP_NUM_THREADS=1 QCONF_CUDA_KERNELS=specialized \
-        "$PY" -m pytest tests/gpu -n 13 -p no:benchmark -q -rs ;;
+        "$PY" -m pytest tests/gpu -n 13 -p no:benchmark -q -rs --max-worker-restart 2 ;;
     sanitize)
       for tool in memcheck racecheck; do
         stage "sanitize_$tool" env QCONF_CUDA_KERNELS=specialized compute-sanitizer --tool "$tool" \
