@@ -8,7 +8,7 @@
 #             along, the machine reaches no registry)
 #   tests     tests/gpu with the generic and the specialized kernels (OMP_NUM_THREADS=1, -n 13)
 #   sanitize  compute-sanitizer memcheck and racecheck on the fused-step tests
-#   bench     qconf bench --device cuda --size gpu (537M params; ~75 GB with every contender, so on
+#   bench     qconf bench --device cuda --size gpu (537M params; ~68 GiB with every contender, so on
 #             an 80 GB H100 give CONTENDERS, e.g. 'qconf-fused-*' then 'torchao-*,bnb-*')
 #
 # e.g. bash benchmarks/gpu_check.sh build tests sanitize    then    bash benchmarks/gpu_check.sh bench

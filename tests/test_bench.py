@@ -232,14 +232,16 @@ def test_cuda_roster():
         assert c.label.endswith("(specialized)") == special
         if special:
             assert keys[keys.index(c.key) - 1] == c.key.removesuffix("-specialized")  # right after its twin
-        if c.key.endswith(("-sr", "-kahan")):
-            assert c.relative_to == "qconf-fused-default-bf16"  # their cost over plain bf16, as on the CPU
+        if c.key.removesuffix("-specialized").endswith(("-sr", "-kahan")):
+            # their cost over plain bf16 on the same kernels, as on the CPU
+            assert c.relative_to == "qconf-fused-default-bf16" + ("-specialized" if special else "")
+            assert c.relative_to in keys[:keys.index(c.key)]
         elif c.dtype == bench_device.torch.bfloat16:
             assert c.relative_to == "torch-fused-bf16"
         else:
             assert c.relative_to is None
     special = [k for k in keys if k.endswith("-specialized")]
-    assert len(special) == 6  # 3 configs x fp32 / bf16
+    assert len(special) == 8  # 3 configs x fp32 / bf16, and the bf16 SR / Kahan variants
 
 
 def test_with_env_switches_the_kernel_choice_per_step(monkeypatch):

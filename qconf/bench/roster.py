@@ -7,7 +7,7 @@ dtype, and which optional package it needs. The baseline every ratio is taken ag
 
 ``contenders(device="cuda")`` is the GPU roster: the same rows without the for-loop and the
 reference path (slow and memory-hungry at 537M parameters), every qconf row pinned to the generic
-CUDA kernels, plus a ``(specialized)`` row per fused config and dtype that sets
+CUDA kernels, plus a ``(specialized)`` twin of every fused row that sets
 ``QCONF_CUDA_KERNELS=specialized`` around its build and steps (the step reads the variable at
 every call, so both kernels run in one process); its bf16 qconf rows also report their cost over
 torch fused bf16.
@@ -75,8 +75,9 @@ def contenders(config_dir: str | os.PathLike | None = None, min_numel: int | Non
 
 def cuda_rows(rows: list[Contender]) -> list[Contender]:
     """The GPU roster from the CPU one: :data:`CPU_ONLY` dropped, qconf rows pinned to the generic
-    kernels, a ``(specialized)`` twin after each plain fused qconf row, bf16 qconf rows without a
-    ``relative_to`` compared with torch fused bf16."""
+    kernels, a ``(specialized)`` twin after each fused qconf row (an SR / Kahan variant's twin
+    compared with the plain row's twin), bf16 qconf rows without a ``relative_to`` compared with
+    torch fused bf16."""
     out = []
     for c in rows:
         if c.key in CPU_ONLY:
@@ -86,9 +87,10 @@ def cuda_rows(rows: list[Contender]) -> list[Contender]:
             continue
         rel = c.relative_to or ("torch-fused-bf16" if c.dtype == torch.bfloat16 else None)
         out.append(dataclasses.replace(c, relative_to=rel, env=((KERNELS_ENV, "generic"),)))
-        if c.relative_to is None:  # a plain config row (not the SR / Kahan variants)
-            out.append(dataclasses.replace(c, key=f"{c.key}-specialized", label=f"{c.label} (specialized)",
-                                           relative_to=rel, env=((KERNELS_ENV, "specialized"),)))
+        # the twin; an SR / Kahan variant's is compared with the specialized plain row
+        twin_rel = f"{c.relative_to}-specialized" if c.relative_to else rel
+        out.append(dataclasses.replace(c, key=f"{c.key}-specialized", label=f"{c.label} (specialized)",
+                                       relative_to=twin_rel, env=((KERNELS_ENV, "specialized"),)))
     return out
 
 
