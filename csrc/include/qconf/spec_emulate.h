@@ -95,23 +95,29 @@ void apply(const SpecArgs& a) {
 }
 
 // The reduce pass: the rank-1 states' row and column maxima (spec_kernel.cuh spec_reduce_body).
+// Every thread runs every iteration, as on the GPU (a thread without elements reads the unit's
+// first octet and folds nothing), so that the iteration's warp shuffles can be checked.
 template <class S>
 void reduce(const SpecArgs& a) {
   SpecTabs<S> store;
   store.fill(a.tables, 0, 1);
   const SpecLooks<S> tabs = looks_of(store, a.tables);
   const bool rank1[2] = {S::St0::kRank1Scale, S::St1::kRank1Scale};
+  std::vector<uint64_t> shuffles(kThreads);
   for (int32_t ui = 0; ui < a.nunits; ++ui) {
     const Unit u = unit_at(a, ui);
     const SpecTensor& t = a.t[u.tensor];
     const View v = view_of<S>(a, t, u);
-    for (int i = 0; i < kThreads; ++i) {
-      const UnitSpan span(t, u, v, i);
-      for (int32_t it = 0; it < span.iters; ++it) {
-        const At at = full_at(span, it, u.rpi);
-        if (at.cnt == 0) continue;
+    std::vector<UnitSpan> span;
+    for (int i = 0; i < kThreads; ++i) span.emplace_back(t, u, v, i);
+    for (int32_t it = 0; it < span[0].iters; ++it) {
+      for (int i = 0; i < kThreads; ++i) {
+        const At at = full_at(span[i], it, u.rpi);
         uint32_t bits[2][kElems];
+        const uint64_t before = host_shuffles();
         reduce_octet<S>(a, tabs, v, at, bits);
+        shuffles[i] = host_shuffles() - before;
+        if (at.cnt == 0) continue;
         for (int k = 0; k < 2; ++k) {
           if (!rank1[k]) continue;
           for (int j = 0; j < kElems; ++j) {
@@ -122,6 +128,7 @@ void reduce(const SpecArgs& a) {
           }
         }
       }
+      expect_converged(shuffles, "reduce pass");
     }
   }
 }
