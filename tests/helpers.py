@@ -101,3 +101,16 @@ def host_extension(name: str, source: str, functions: list[str], build_directory
                        extra_include_paths=[str(ROOT / "csrc" / "include")],
                        extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off"],
                        build_directory=str(build_directory), verbose=False)
+
+
+def module_literal(path: Path, name: str):
+    """The module-level literal ``name = ...`` of the Python file at ``path``, read without
+    importing it (setup.py runs setup(); a GPU test module needs a GPU and its siblings)."""
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                      else None)
+        if getattr(target, "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} defines no {name}")

@@ -14,7 +14,6 @@ it prints the numbers. The built extension itself must not export libstdc++'s ow
 """
 from __future__ import annotations
 
-import ast
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, module_literal
+
 GXX = shutil.which("g++")
 
 SOURCE = r"""
@@ -48,15 +48,6 @@ print(buf.value.decode())
 
 # libstdc++'s own definitions (locale, ios_base, the ostream inserters), mangled
 LIBSTDCXX_OWN = ("_ZNSt6locale", "_ZNSt8ios_base", "_ZNSo9_M_insert")
-
-
-def setup_link_args() -> list[str]:
-    """setup.py's LINK_ARGS, read without running setup.py."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LINK_ARGS" for t in node.targets):
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("setup.py defines no LINK_ARGS")
 
 
 def static_libstdcxx() -> bool:
@@ -86,7 +77,7 @@ def test_link_args_keep_a_static_libstdcxx_consistent(tmp_path):
     plain = build_and_load(tmp_path, [], "plain")
     # the hazard, reproduced: the integers go missing (or the process dies)
     assert plain.returncode != 0 or plain.stdout.strip() != "n=4099,4099", plain.stdout
-    kept = build_and_load(tmp_path, setup_link_args(), "kept")
+    kept = build_and_load(tmp_path, list(module_literal(ROOT / "setup.py", "LINK_ARGS")), "kept")
     assert kept.returncode == 0, kept.stderr[-2000:]
     assert kept.stdout.strip() == "n=4099,4099"
     assert exported_libstdcxx(tmp_path / "libkept.so") == []

@@ -17,7 +17,6 @@ torch.ops.qconf.cuda_specs, typed by cuda_spec_source), compiled once per sessio
 """
 from __future__ import annotations
 
-import ast
 import copy
 import re
 from pathlib import Path
@@ -30,7 +29,7 @@ from qconf.codec import QTensor
 from qconf.optim import SGD, Adam, AdamW, Lion
 from qconf.optim.fused import _signed64
 
-from helpers import CONFIGS, ROOT, host_extension
+from helpers import CONFIGS, ROOT, host_extension, module_literal
 
 if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
     pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
@@ -495,15 +494,8 @@ def test_bf16_stochastic_rounding_follows_the_rng_offset(emu):
 
 
 def _gpu_test_literal(name):
-    """A module-level literal of tests/gpu/test_specialized_cuda.py (read, not imported: that module
-    needs a GPU and its sibling on sys.path)."""
-    tree = ast.parse((ROOT / "tests" / "gpu" / "test_specialized_cuda.py").read_text())
-    for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
-                                                                      else None)
-        if getattr(target, "id", None) == name:
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"tests/gpu/test_specialized_cuda.py defines no {name}")
+    """A module-level literal of tests/gpu/test_specialized_cuda.py."""
+    return module_literal(ROOT / "tests" / "gpu" / "test_specialized_cuda.py", name)
 
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd", "lion"])

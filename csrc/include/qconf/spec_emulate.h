@@ -46,6 +46,22 @@ inline void expect_converged(const std::vector<uint64_t>& shuffles, const char* 
                                  std::to_string(shuffles[w]) + " (divergent lanes in a whole-warp shuffle)");
 }
 
+// The warp shuffles that fn() models (host_shuffles), for expect_converged.
+template <class Fn>
+uint64_t shuffles_of(Fn&& fn) {
+  const uint64_t before = host_shuffles();
+  fn();
+  return host_shuffles() - before;
+}
+
+// Each of a block's threads' span of unit u (spec_octet.h UnitSpan).
+inline std::vector<UnitSpan> block_spans(const SpecTensor& t, const Unit& u, const View& v) {
+  std::vector<UnitSpan> span;
+  span.reserve(kThreads);
+  for (int i = 0; i < kThreads; ++i) span.emplace_back(t, u, v, i);
+  return span;
+}
+
 // One block iteration of the apply pass: every thread's octet computed, the groups' maxima, then
 // every thread's stores (each phase's warp shuffles checked for convergence).
 template <class S, bool FULL>
@@ -55,18 +71,13 @@ void apply_iteration(const SpecArgs& a, const SpecLooks<S>& tabs, const View& v,
   std::vector<Maxima> mx(kThreads);
   std::vector<uint64_t> shuffles(kThreads);
   for (int i = 0; i < kThreads; ++i) {
-    const uint64_t before = host_shuffles();
-    compute_octet<S, FULL>(a, tabs, v, keys, at[i], o[i]);
-    shuffles[i] = host_shuffles() - before;
+    shuffles[i] = shuffles_of([&] { compute_octet<S, FULL>(a, tabs, v, keys, at[i], o[i]); });
     mx[i] = octet_maxima<S, FULL>(o[i], at[i].cnt);
   }
   expect_converged(shuffles, "loads and update");
   group_maxima<S>(mx);
-  for (int i = 0; i < kThreads; ++i) {
-    const uint64_t before = host_shuffles();
-    store_states<S, FULL>(tabs, v, keys, at[i], o[i], mx[i]);
-    shuffles[i] = host_shuffles() - before;
-  }
+  for (int i = 0; i < kThreads; ++i)
+    shuffles[i] = shuffles_of([&] { store_states<S, FULL>(tabs, v, keys, at[i], o[i], mx[i]); });
   expect_converged(shuffles, "quantize and stores");
 }
 
@@ -80,8 +91,7 @@ void apply(const SpecArgs& a) {
     const SpecTensor& t = a.t[u.tensor];
     const View v = view_of<S>(a, t, u);
     const Keys keys = unit_keys(a, t, v);
-    std::vector<UnitSpan> span;
-    for (int i = 0; i < kThreads; ++i) span.emplace_back(t, u, v, i);
+    const std::vector<UnitSpan> span = block_spans(t, u, v);
     std::vector<At> at(kThreads);
     for (int32_t it = 0; it < span[0].iters; ++it) {
       for (int i = 0; i < kThreads; ++i) at[i] = full_at(span[i], it, u.rpi);
@@ -108,15 +118,12 @@ void reduce(const SpecArgs& a) {
     const Unit u = unit_at(a, ui);
     const SpecTensor& t = a.t[u.tensor];
     const View v = view_of<S>(a, t, u);
-    std::vector<UnitSpan> span;
-    for (int i = 0; i < kThreads; ++i) span.emplace_back(t, u, v, i);
+    const std::vector<UnitSpan> span = block_spans(t, u, v);
     for (int32_t it = 0; it < span[0].iters; ++it) {
       for (int i = 0; i < kThreads; ++i) {
         const At at = full_at(span[i], it, u.rpi);
         uint32_t bits[2][kElems];
-        const uint64_t before = host_shuffles();
-        reduce_octet<S>(a, tabs, v, at, bits);
-        shuffles[i] = host_shuffles() - before;
+        shuffles[i] = shuffles_of([&] { reduce_octet<S>(a, tabs, v, at, bits); });
         if (at.cnt == 0) continue;
         for (int k = 0; k < 2; ++k) {
           if (!rank1[k]) continue;
