@@ -8,8 +8,10 @@ operations of each stage of the fused AVX2 step over 2048 elements held in L1, a
 cycles per vector of each: the ``vsqrtps`` + ``vdivps`` of the AdamW denominator alone; the AdamW
 update with fp32 states (the per-element work of torch's fused AdamW, without its memory
 traffic); the same with both moments decoded from 4-bit codes (the group-128 main loop); the
-signed 4-bit nearest search (the split 16-entry count of ``Probe16``); the 4-bit midpoint grid.
-These are stand-ins written for the measurement (same instructions, synthetic tables), not the
+signed 4-bit nearest search (the split 16-entry count of ``Probe16``); the 4-bit midpoint grid;
+those three in one loop, the searches on another block's values (whether interleaving the
+quantize work with the divider-bound main loop hides it: the row is about their sum); and the
+signed 8-bit nearest code by segment lines (``FastQuantizer::segment_code``). These are stand-ins written for the measurement (same instructions, synthetic tables), not the
 kernels: they show where the floor of each stage is on the machine, which no instruction count
 shows (callgrind counts a ``vdivps`` as one instruction). Cycles assume the clock that makes 8
 independent chains of ``vaddps`` run at two per cycle (Zen 2-4, Skylake and later); the table
@@ -34,7 +36,8 @@ SOURCE = r"""
 constexpr int n = 2048;
 constexpr long R = 20000;
 alignas(64) static float p[n], g[n], m[n], v[n], mo[n], vo[n], rcp[n / 8];
-alignas(64) static uint8_t cm[n / 2], cv[n / 2], om[n / 2];
+alignas(64) static float qm[n], qv[n];  // the fused row's quantize inputs (another block's new states)
+alignas(64) static uint8_t cm[n / 2], cv[n / 2], om[n / 2], om2[n / 2], o8[n];
 static const __m256i kShift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
 // a 16-entry table lookup straight from 8 packed nibbles (Isa::lookup16_packed4 on AVX2)
 static inline __m256 lut16(__m256 lo, __m256 hi, const uint8_t* c) {
@@ -107,8 +110,9 @@ int main() {
   // Probe16's split count over 15 sorted midpoints (signed 4-bit map), four vectors per packed store
   const __m256 odd = _mm256_setr_ps(-.775f, -.325f, -.055f, -.00275f, .019f, .145f, .55f, .94375f);
   const __m256 even = _mm256_setr_ps(-.9f, -.55f, -.145f, -.019f, .00275f, .055f, .325f, .775f);
-  auto count = [&](int i) {
-    const __m256 x = _mm256_mul_ps(_mm256_load_ps(mo + i), _mm256_broadcast_ss(rcp + i / 8));
+  // (the quantize stand-ins read new states from src and write nibbles to dst)
+  auto count = [&](const float* src, int i) {
+    const __m256 x = _mm256_mul_ps(_mm256_load_ps(src + i), _mm256_broadcast_ss(rcp + i / 8));
     const __m256 m8 = _mm256_cmp_ps(s(0.0f), x, _CMP_LT_OQ);
     const __m256 m4 = _mm256_cmp_ps(_mm256_blendv_ps(s(-.145f), s(.145f), m8), x, _CMP_LT_OQ);
     __m256i k = _mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(m8), _mm256_set1_epi32(4)),
@@ -117,20 +121,63 @@ int main() {
     return _mm256_sub_epi32(_mm256_add_epi32(k, k),
                             _mm256_castps_si256(_mm256_cmp_ps(_mm256_permutevar8x32_ps(even, k), x, _CMP_LT_OQ)));
   };
-  auto grid = [&](int i) {
-    const __m256 x = _mm256_mul_ps(_mm256_load_ps(vo + i), _mm256_broadcast_ss(rcp + i / 8));
+  auto grid = [&](const float* src, int i) {
+    const __m256 x = _mm256_mul_ps(_mm256_load_ps(src + i), _mm256_broadcast_ss(rcp + i / 8));
     const __m256 y = _mm256_min_ps(s(16.0f), _mm256_sub_ps(_mm256_mul_ps(x, s(16.0f)), s(1.5f)));
     return _mm256_cvttps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
   };
-  auto pack = [&](int i, __m256i c0, __m256i c1) {  // 16 codes of 0..15 -> 8 bytes of nibbles
+  auto pack = [&](uint8_t* dst, int i, __m256i c0, __m256i c1) {  // 16 codes of 0..15 -> 8 bytes of nibbles
     const __m256i w = _mm256_packus_epi32(c0, c1);
     const __m128i b = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(om + i / 2), _mm_or_si128(b, _mm_srli_epi64(b, 28)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + i / 2), _mm_or_si128(b, _mm_srli_epi64(b, 28)));
   };
-  const double c_count = cycles<16>([&](int i) { pack(i, count(i), count(i + 8)); }, ns_per_cycle);
-  const double c_grid = cycles<16>([&](int i) { pack(i, grid(i), grid(i + 8)); }, ns_per_cycle);
-  std::printf("%.4f %.3f %.3f %.3f %.3f %.3f %d\n", ns_per_cycle, c_dv, c_f32, c_q4, c_count, c_grid,
-              _mm256_extract_epi32(mx, 0) + om[3]);
+  const double c_count = cycles<16>([&](int i) { pack(om, i, count(mo, i), count(mo, i + 8)); }, ns_per_cycle);
+  const double c_grid = cycles<16>([&](int i) { pack(om, i, grid(vo, i), grid(vo, i + 8)); }, ns_per_cycle);
+  // the three group-128 stages in one loop: the main loop of these 16 elements, and the search and
+  // the grid of 16 elements of another block (independent of this turn's main loop), stored apart
+  for (int i = 0; i < n; ++i) qm[i] = mo[i], qv[i] = vo[i];
+  const double c_fused = cycles<16>([&](int i) {
+    adam(i, lut16(mlo, mhi, cm + i / 2), lut16(vlo, vhi, cv + i / 2), mx);
+    adam(i + 8, lut16(mlo, mhi, cm + i / 2 + 4), lut16(vlo, vhi, cv + i / 2 + 4), mx);
+    pack(om, i, count(qm, i), count(qm, i + 8));
+    pack(om2, i, grid(qv, i), grid(qv, i + 8));
+  }, ns_per_cycle);
+  // FastQuantizer::segment_code of a signed 8-bit map (8bit.yml's exp_avg): the segment by a
+  // 3-level search of 8-entry tables, its line capped (the junction code + 1/2), mirrored for
+  // negative values, ceil, and the midpoint probe for values within eps of an integer (none here)
+  const __m256 seg_b2 = _mm256_setr_ps(1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f, 2.f);
+  const __m256 seg_b1 = _mm256_setr_ps(1e-6f, 1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f);
+  const __m256 seg_cap = _mm256_setr_ps(128.f, 130.f, 134.f, 142.f, 158.f, 190.f, 254.f, 255.f);
+  const __m256 seg_top = _mm256_setr_ps(1e-6f, 1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f);
+  const __m256 seg_slope = _mm256_setr_ps(1e6f, 2e5f, 4e4f, 8e3f, 1.6e3f, 320.f, 64.f, 0.f);
+  const __m256 seg_offset = _mm256_setr_ps(127.3f, 128.1f, 130.2f, 134.3f, 142.4f, 158.5f, 190.6f, 255.f);
+  auto segment = [&](int i) {
+    const __m256 x = _mm256_mul_ps(_mm256_load_ps(qm + i), _mm256_broadcast_ss(rcp + i / 8));
+    const __m256 a = _mm256_min_ps(s(1.99999988f), _mm256_andnot_ps(s(-0.0f), x));
+    __m256i d = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(s(1e-3f), a, _CMP_LE_OQ)), _mm256_set1_epi32(4));
+    d = _mm256_add_epi32(d, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(_mm256_permutevar8x32_ps(seg_b2, d), a,
+                                                                                 _CMP_LE_OQ)), _mm256_set1_epi32(2)));
+    d = _mm256_sub_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(_mm256_permutevar8x32_ps(seg_b1, d), a, _CMP_LE_OQ)));
+    __m256 cap = _mm256_permutevar8x32_ps(seg_cap, d);
+    cap = _mm256_add_ps(cap, _mm256_and_ps(_mm256_cmp_ps(a, _mm256_permutevar8x32_ps(seg_top, d), _CMP_EQ_OQ), s(0.5f)));
+    __m256 j = _mm256_min_ps(cap, _mm256_fmadd_ps(a, _mm256_permutevar8x32_ps(seg_slope, d),
+                                                  _mm256_permutevar8x32_ps(seg_offset, d)));
+    j = _mm256_blendv_ps(j, _mm256_sub_ps(s(254.f), j), _mm256_cmp_ps(x, s(0.0f), _CMP_LT_OQ));
+    const __m256 jr = _mm256_round_ps(j, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 near = _mm256_cmp_ps(_mm256_andnot_ps(s(-0.0f), _mm256_sub_ps(j, jr)), s(1e-9f), _CMP_LE_OQ);
+    __m256i c = _mm256_cvttps_epi32(_mm256_round_ps(j, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
+    if (__builtin_expect(_mm256_movemask_ps(near), 0))
+      c = _mm256_blendv_epi8(c, _mm256_cvttps_epi32(jr), _mm256_castps_si256(near));
+    return c;
+  };
+  const double c_seg8 = cycles<32>([&](int i) {
+    const __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(segment(i), segment(i + 8)),
+                                          _mm256_packus_epi32(segment(i + 16), segment(i + 24)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o8 + i),
+                        _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }, ns_per_cycle);
+  std::printf("%.4f %.3f %.3f %.3f %.3f %.3f %.3f %.3f %d\n", ns_per_cycle, c_dv, c_f32, c_q4, c_count, c_grid,
+              c_fused, c_seg8, _mm256_extract_epi32(mx, 0) + om[3] + om2[5] + o8[7]);
 }
 """
 
@@ -140,6 +187,8 @@ ROWS = [
     ("AdamW update, both moments decoded from 4-bit codes (group-128 main loop)", 3),
     ("signed 4-bit nearest search (Probe16 split count) + pack", 4),
     ("4-bit midpoint grid + pack", 5),
+    ("the three group-128 stages above in one loop (quantizing another block)", 6),
+    ("signed 8-bit segment-lines nearest code + pack (8bit.yml exp_avg)", 7),
 ]
 
 

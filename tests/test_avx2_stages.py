@@ -35,6 +35,8 @@ def test_stage_table_has_a_positive_row_per_stage():
         "AdamW update, both moments decoded from 4-bit codes (group-128 main loop)",
         "signed 4-bit nearest search (Probe16 split count) + pack",
         "4-bit midpoint grid + pack",
+        "the three group-128 stages above in one loop (quantizing another block)",
+        "signed 8-bit segment-lines nearest code + pack (8bit.yml exp_avg)",
     ]
     for r in rows:
         cycles, ns = (float(x) for x in r.split()[-2:])
