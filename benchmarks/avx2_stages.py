@@ -144,10 +144,11 @@ int main() {
   }, ns_per_cycle);
   // FastQuantizer::segment_code of a signed 8-bit map (8bit.yml's exp_avg): the segment by a
   // 3-level search of 8-entry tables, its line capped (the junction code + 1/2), mirrored for
-  // negative values, ceil, and the midpoint probe for values within eps of an integer (none here)
+  // negative values, ceil, and the midpoint probe for values within eps of an integer (rare in
+  // the kernel; none here: the caps are not integers)
   const __m256 seg_b2 = _mm256_setr_ps(1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f, 2.f);
   const __m256 seg_b1 = _mm256_setr_ps(1e-6f, 1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f);
-  const __m256 seg_cap = _mm256_setr_ps(128.f, 130.f, 134.f, 142.f, 158.f, 190.f, 254.f, 255.f);
+  const __m256 seg_cap = _mm256_setr_ps(128.5f, 130.5f, 134.5f, 142.5f, 158.5f, 190.5f, 254.5f, 255.5f);
   const __m256 seg_top = _mm256_setr_ps(1e-6f, 1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f);
   const __m256 seg_slope = _mm256_setr_ps(1e6f, 2e5f, 4e4f, 8e3f, 1.6e3f, 320.f, 64.f, 0.f);
   const __m256 seg_offset = _mm256_setr_ps(127.3f, 128.1f, 130.2f, 134.3f, 142.4f, 158.5f, 190.6f, 255.f);
