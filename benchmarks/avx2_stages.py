@@ -11,8 +11,9 @@ traffic); the same with both moments decoded from 4-bit codes (the group-128 mai
 signed 4-bit nearest search (the split 16-entry count of ``Probe16``); the 4-bit midpoint grid;
 those three in one loop, the searches on another block's values (whether interleaving the
 quantize work with the divider-bound main loop hides it: the row is about their sum); and the
-signed 8-bit nearest code by segment lines (``FastQuantizer::segment_code``). These are stand-ins written for the measurement (same instructions, synthetic tables), not the
-kernels: they show where the floor of each stage is on the machine, which no instruction count
+signed 8-bit nearest code by segment lines (``FastQuantizer::segment_code``). These are
+stand-ins written for the measurement (same instructions, synthetic tables), not the kernels:
+they show where the floor of each stage is on the machine, which no instruction count
 shows (callgrind counts a ``vdivps`` as one instruction). Cycles assume the clock that makes 8
 independent chains of ``vaddps`` run at two per cycle (Zen 2-4, Skylake and later); the table
 also gives nanoseconds. The median of ``--reps`` runs; a VM's neighbours move single runs.
@@ -144,8 +145,8 @@ int main() {
   }, ns_per_cycle);
   // FastQuantizer::segment_code of a signed 8-bit map (8bit.yml's exp_avg): the segment by a
   // 3-level search of 8-entry tables, its line capped (the junction code + 1/2), mirrored for
-  // negative values, ceil, and the midpoint probe for values within eps of an integer (rare in
-  // the kernel; none here: the caps are not integers)
+  // negative values, ceil, and a fix-up for values within eps of an integer (the kernel probes
+  // the midpoints there): rare in the kernel, and here too, as the caps are half-integers
   const __m256 seg_b2 = _mm256_setr_ps(1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f, 2.f);
   const __m256 seg_b1 = _mm256_setr_ps(1e-6f, 1e-5f, 1e-4f, 1e-3f, 1e-2f, 1e-1f, 1.0f, 2.f);
   const __m256 seg_cap = _mm256_setr_ps(128.5f, 130.5f, 134.5f, 142.5f, 158.5f, 190.5f, 254.5f, 255.5f);
