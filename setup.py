@@ -58,6 +58,7 @@ def _extensions():
     # -ffp-contract=off: no fused multiply-add, so kernels round exactly like the reference path
     cxx = ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden", "-ffp-contract=off"]
     include = [os.path.join(here, "csrc", "include"), _kernel_sources(here)]
+    common = {"include_dirs": include, "libraries": ["gomp"], "extra_link_args": LINK_ARGS}  # both kinds
     with_cuda = (torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc") is not None
                  and os.environ.get("QCONF_NO_CUDA") != "1")
     if with_cuda:
@@ -73,11 +74,10 @@ def _extensions():
                              "like '80 90'")
         nvcc = ["-O3", "-std=c++17", "--fmad=false", "-DQCONF_WITH_CUDA", "-Xcompiler", "-ffp-contract=off",
                 *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
-        ext = CUDAExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"], extra_link_args=LINK_ARGS,
+        ext = CUDAExtension("qconf._C", sources, **common,
                             extra_compile_args={"cxx": cxx + ["-DQCONF_WITH_CUDA"], "nvcc": nvcc})
     else:
-        ext = CppExtension("qconf._C", sources, include_dirs=include, libraries=["gomp"], extra_link_args=LINK_ARGS,
-                           extra_compile_args={"cxx": cxx})
+        ext = CppExtension("qconf._C", sources, **common, extra_compile_args={"cxx": cxx})
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
