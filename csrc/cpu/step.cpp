@@ -119,6 +119,13 @@ void run_factor_pass(RunItemsFn fn, const StepContext& ctx, CpuWorkspace& ws, st
   }
 }
 
+// Elements per tile of a multi-tile tensor on this ISA. AVX2 takes 8192: with 2048 its step spent
+// 2-4% more instructions on per-tile work (callgrind, `--size big` configs; docs/benchmarks.md,
+// ninth round). The AVX-512 and scalar steps keep 2048: AVX-512's tile buffers then fit in L1,
+// and it did not gain from longer tiles. Tiles never change the bits (tests/test_fused.py runs
+// every ISA and compares).
+int64_t isa_tile_target(Isa isa) { return isa == Isa::avx2 ? 8192 : host::kTileTarget; }
+
 // The descriptions of the call's tensors (qconf/step_host.h) and their scratch, in `ws`; the step
 // counters are incremented only if `advance_steps`. Returns the kernels' context.
 StepContext describe_call(CpuWorkspace& ws, int64_t rule, at::TensorList params, at::TensorList grads,
@@ -126,6 +133,7 @@ StepContext describe_call(CpuWorkspace& ws, int64_t rule, at::TensorList params,
                           const at::Tensor& tables, c10::ArrayRef<double> hyper, int64_t seed, int nthreads,
                           bool advance_steps) {
   host::CallDescs& call = ws.call;
+  call.tile_target = isa_tile_target(selected_isa());
   host::describe_tensors(rule, params, grads, steps, states, meta, tables.data_ptr<float>(), tables.size(0), hyper,
                          seed, at::Device(at::kCPU), "CPU", call, advance_steps);
   assign_scratch(ws, call.descs, nthreads);

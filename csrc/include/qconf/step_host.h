@@ -23,8 +23,9 @@
 namespace qconf {
 namespace host {
 
-constexpr int64_t kTileTarget = 2048;   // elements per work item (the tile buffers stay in L1/L2;
-                                        // 1024 spent 5% more instructions on per-tile setup)
+constexpr int64_t kTileTarget = 2048;   // elements per work item unless the driver asks for another
+                                        // (CallDescs::tile_target; 1024 spent 5% more instructions
+                                        // on per-tile setup)
 constexpr int64_t kMaxUnit = 16384;     // largest block kept single-pass
 constexpr int64_t kFactorChunks = 16;   // fixed row chunking of the factor pass (thread-count independent)
 
@@ -178,6 +179,7 @@ struct CallDescs {
   std::vector<at::Tensor> grad_storage;  // contiguous views (a copy only for strided gradients)
   int64_t max_tile = 64;
   bool any_factored = false;
+  int64_t tile_target = kTileTarget;  // elements per work item of a multi-tile tensor (set by the driver)
 };
 
 // Parameter i and its gradient (made contiguous into `g`): shape, dtypes, data.
@@ -299,8 +301,9 @@ inline int64_t describe_weights(const CallContext& cx, int64_t i, const at::Tens
 
 // The tile length and the single-pass / two-pass decision of each state. Single-pass blocks stay
 // within one tile (`unit`: their common multiple with `base_unit`, the Kahan buffer's); if that
-// is too large, the larger block goes through the two-pass path instead.
-inline void choose_tiling(TensorDesc& t, int64_t unit, int64_t base_unit) {
+// is too large, the larger block goes through the two-pass path instead. A multi-tile tensor's
+// tiles are `tile_target` elements rounded up to a multiple of the unit.
+inline void choose_tiling(TensorDesc& t, int64_t unit, int64_t base_unit, int64_t tile_target) {
   if (unit > kMaxUnit && t.numel > kMaxUnit) {
     unit = base_unit;
     StateDesc* big = t.st[0].kind == kQuant && !t.st[0].two_pass ? &t.st[0] : nullptr;
@@ -319,7 +322,7 @@ inline void choose_tiling(TensorDesc& t, int64_t unit, int64_t base_unit) {
       if (st.kind == kQuant && st.codec.scale_kind == kBlock) st.two_pass = 0;
     t.comp.two_pass = 0;
   } else {
-    t.tile = ((kTileTarget + unit - 1) / unit) * unit;
+    t.tile = ((tile_target + unit - 1) / unit) * unit;
   }
   t.two_pass = (t.st[0].kind == kQuant && t.st[0].two_pass) || (t.st[1].kind == kQuant && t.st[1].two_pass);
 }
@@ -365,8 +368,8 @@ inline void prefetch_param(const CallContext& cx, at::TensorList params, at::Ten
 // `advance_steps` is false: the descriptions then hold the next step all the same). `tab` is
 // the address of `tables`' data as the kernels will read it (host or device memory), `ntab` the
 // number of tables. Parameters, gradients and states must be on `device`; `where` names the
-// driver in messages ("CPU", "CUDA"). Scratch pointers (partial, new_recip, row_sum, ...) are left
-// for the driver to set.
+// driver in messages ("CPU", "CUDA"); `out.tile_target`, the driver's tile length, is read.
+// Scratch pointers (partial, new_recip, row_sum, ...) are left for the driver to set.
 inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList grads, at::TensorList steps,
                              at::TensorList states, const at::Tensor& meta, const float* tab, int64_t ntab,
                              c10::ArrayRef<double> hyper, int64_t seed, const at::Device& device,
@@ -394,7 +397,7 @@ inline void describe_tensors(int64_t rule, at::TensorList params, at::TensorList
     t.factored = static_cast<int32_t>(m[kMetaFactored]);
     const int64_t unit = describe_states(cx, i, m, step, t);
     const int64_t base_unit = describe_weights(cx, i, params[i], m, step, t);
-    choose_tiling(t, lcm64(unit, base_unit), base_unit);
+    choose_tiling(t, lcm64(unit, base_unit), base_unit, out.tile_target);
     if (t.factored) {
       describe_factored(cx, i, t);
       out.any_factored = true;
