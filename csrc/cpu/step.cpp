@@ -121,9 +121,8 @@ void run_factor_pass(RunItemsFn fn, const StepContext& ctx, CpuWorkspace& ws, st
 
 // Elements per tile of a multi-tile tensor on this ISA. AVX2 takes 8192: with 2048 its step spent
 // 2-4% more instructions on per-tile work (callgrind, `--size big` configs; docs/benchmarks.md,
-// ninth round). The AVX-512 and scalar steps keep 2048: AVX-512's tile buffers then fit in L1,
-// and it did not gain from longer tiles. Tiles never change the bits (tests/test_fused.py runs
-// every ISA and compares).
+// ninth round). The AVX-512 and scalar steps keep 2048: AVX-512 was not faster with 8192 there.
+// Tiles never change the bits (tests/test_fused.py runs every ISA and compares).
 int64_t isa_tile_target(Isa isa) { return isa == Isa::avx2 ? 8192 : host::kTileTarget; }
 
 // The descriptions of the call's tensors (qconf/step_host.h) and their scratch, in `ws`; the step
