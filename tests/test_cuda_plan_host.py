@@ -303,6 +303,11 @@ CASES = {
     "huge_blocks_two_pass": [{"shape": (100000,), "s0": group(32768), "s1": group(128)},
                              {"shape": (60000,), "s0": group(60000), "s1": "fp32"},  # tensor scale
                              {"shape": (40000,), "s0": group(16383), "s1": group(16381, 1)}],
+    # groups longer than the tensor (up to the validator's 2^24): one group, a chunk of the whole
+    # tensor for single-pass states, one partial for two-pass ones
+    "groups_larger_than_the_tensor": [{"shape": (5000,), "s0": group(1 << 20), "s1": group(1 << 24, 1)},
+                                      {"shape": (2048,), "s0": group(1_000_000), "s1": "fp32"},
+                                      {"shape": (100_000,), "s0": group(1 << 24), "s1": group(16384, 1)}],
     "slot_budget_demotes": [{"shape": (70000,), "s0": group(1), "s1": group(16384)},
                             {"shape": (50000,), "s0": group(1), "s1": group(8192)}],
     "rank1_2d_3d": [{"shape": (300, 70), "s0": group(128), "s1": {"scale": "rank1"}},

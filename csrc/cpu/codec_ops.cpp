@@ -18,7 +18,8 @@
 namespace qconf {
 namespace {
 
-constexpr int64_t kTile = 2048, kMaxUnit = 16384;
+using host::kMaxUnit;
+constexpr int64_t kTile = host::kTileTarget;
 
 RunCodecFn codec_function() {
   switch (selected_isa()) {

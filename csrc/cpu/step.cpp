@@ -139,7 +139,7 @@ StepContext describe_call(CpuWorkspace& ws, int64_t rule, at::TensorList params,
   StepContext ctx;
   ctx.rule = static_cast<int32_t>(rule);
   ctx.tensors = call.descs.data();
-  ctx.max_tile = static_cast<int32_t>(call.max_tile);
+  ctx.max_tile = call.max_tile;
   return ctx;
 }
 
@@ -327,7 +327,7 @@ void fused_step_cpu_apply(CpuWorkspace& ws, at::TensorList steps, const at::Tens
   StepContext ctx;
   ctx.rule = static_cast<int32_t>(ws.pending_rule);
   ctx.tensors = descs.data();
-  ctx.max_tile = static_cast<int32_t>(call.max_tile);
+  ctx.max_tile = call.max_tile;
   std::vector<WorkItem>& items = ws.single_items;
   items.clear();
   for (int64_t i = 0; i < T; ++i)

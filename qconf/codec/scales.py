@@ -165,8 +165,9 @@ def compute_scales(x: torch.Tensor, scale: str, group_size: int, statistic: str 
         out = _group_absmean(x.reshape(-1), group_size)
     elif eff == "group":
         flat = x.reshape(-1)
-        padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % group_size))  # zeros leave absmax unchanged
-        out = _absmax(padded.view(-1, group_size), dim=1)
+        block = min(group_size, flat.numel())  # a group longer than the tensor is one group: no padding to it
+        padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % block))  # zeros leave absmax unchanged
+        out = _absmax(padded.view(-1, block), dim=1)
     else:
         out = torch.cat([_per_dim(x, d) for d in range(x.dim())])
     return apply_min_scale(out, min_scale)
@@ -201,8 +202,8 @@ def _expand(values: torch.Tensor, shape: tuple[int, ...], scale: str, group_size
         return values.reshape((shape[0],) + (1,) * (len(shape) - 1)).expand(shape)
     if eff == "dim1":
         return values.reshape((1, shape[1]) + (1,) * (len(shape) - 2)).expand(shape)
-    if eff == "group":
-        return values.repeat_interleave(group_size)[:numel].reshape(shape)
+    if eff == "group":  # (a group longer than the tensor: its one value, numel times)
+        return values.repeat_interleave(min(group_size, max(numel, 1)))[:numel].reshape(shape)
     out = None
     offset = 0
     for d, size in enumerate(shape):

@@ -181,8 +181,8 @@ class RangeCodec:
         n = b - a
         if self.eff == "tensor":
             return values.reshape(()).expand(n)
-        if self.eff == "group":
-            return values.repeat_interleave(self.codec.group_size)[:n]
+        if self.eff == "group":  # (a range shorter than a group lies in one group: its value, n times)
+            return values.repeat_interleave(min(self.codec.group_size, max(n, 1)))[:n]
         if isinstance(where, tuple):
             r0, r1 = where
             shape = (r1 - r0,) + self.shape[1:]

@@ -302,7 +302,9 @@ inline int64_t describe_weights(const CallContext& cx, int64_t i, const at::Tens
 // The tile length and the single-pass / two-pass decision of each state. Single-pass blocks stay
 // within one tile (`unit`: their common multiple with `base_unit`, the Kahan buffer's); if that
 // is too large, the larger block goes through the two-pass path instead. A multi-tile tensor's
-// tiles are `tile_target` elements rounded up to a multiple of the unit.
+// tiles are `tile_target` elements rounded up to a multiple of the unit, and never longer than
+// the tensor (the unit, 64 * 16383 elements for a quantized Kahan buffer of blocks of 16383,
+// would otherwise size every thread's tile buffers for elements that do not exist).
 inline void choose_tiling(TensorDesc& t, int64_t unit, int64_t base_unit, int64_t tile_target) {
   if (unit > kMaxUnit && t.numel > kMaxUnit) {
     unit = base_unit;
@@ -322,7 +324,7 @@ inline void choose_tiling(TensorDesc& t, int64_t unit, int64_t base_unit, int64_
       if (st.kind == kQuant && st.codec.scale_kind == kBlock) st.two_pass = 0;
     t.comp.two_pass = 0;
   } else {
-    t.tile = ((tile_target + unit - 1) / unit) * unit;
+    t.tile = std::min(((tile_target + unit - 1) / unit) * unit, t.numel);
   }
   t.two_pass = (t.st[0].kind == kQuant && t.st[0].two_pass) || (t.st[1].kind == kQuant && t.st[1].two_pass);
 }

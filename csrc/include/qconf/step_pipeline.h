@@ -124,16 +124,19 @@ inline void prepare_codes8(StateIn& s, const StateDesc& st, int64_t n, float* sc
 }
 
 // One old scale per main-loop chunk of a single-pass block state (kIOQ*B): out[q] is the scale
-// of elements start + q * kMainChunk .. of the tile (a chunk never straddles two blocks).
-// Whole-register stores: a block's last store may run up to W-1 entries past its chunks (the next
-// block's stores overwrite them; Buffers leaves room after the tile's last chunk).
+// of elements start + q * kMainChunk .. of the tile (a chunk never straddles two blocks), for the
+// tile's chunks only: a block may be longer than the tile (a one-tile tensor smaller than its
+// group), and its chunks past the tile have no entry. Whole-register stores: the last store of a
+// block may run up to W-1 entries past its chunks (the next block's stores overwrite them;
+// Buffers leaves room after the tile's last chunk).
 inline void fill_per_chunk(const CodecDesc& c, const float* scales, int64_t start, int64_t n, float* out) {
   const int64_t per_block = c.block / kMainChunk, chunks = (n + kMainChunk - 1) / kMainChunk;
   int64_t blk = start / c.block, q = 0;
   for (int64_t k = (start % c.block) / kMainChunk; q < chunks; ++blk, k = 0) {
     const F s(scales[blk]);
-    for (int64_t j = 0; j < per_block - k; j += W) Isa::store(out + q + j, s);
-    q += per_block - k;
+    const int64_t in_tile = per_block - k < chunks - q ? per_block - k : chunks - q;
+    for (int64_t j = 0; j < in_tile; j += W) Isa::store(out + q + j, s);
+    q += in_tile;
   }
 }
 

@@ -179,7 +179,7 @@ enum Phase : int32_t {
 struct StepContext {
   int32_t rule = kRuleAdam;
   TensorDesc* tensors = nullptr;
-  int32_t max_tile = 0;
+  int64_t max_tile = 0;  // elements of the largest tile or factored row: the tile buffers' length
 };
 
 // Per-ISA entry point: run items [begin, end) of `items` in `phase` on thread `tid`.
