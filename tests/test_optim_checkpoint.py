@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qconf.codec import QTensor
+from qconf.codec.codec import RECORD_FIELDS
 from qconf.optim import SGD, Adam, AdamW, Lion, export_torch_state_dict
 
 from helpers import CONFIGS, assert_rel_close, assert_same_state, flat_state, mlp, regression_batches, train_steps
@@ -286,6 +287,41 @@ def test_bad_checkpoint_raises_and_leaves_optimizer_unchanged(mutate, needle):
     assert_same_state(before, flat_state(opt))
     assert groups_before == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     train_steps(model, opt, 1)  # still usable
+
+
+@pytest.mark.parametrize("field", [*RECORD_FIELDS, "unknown"])
+def test_a_codec_record_missing_a_field_or_with_an_unknown_one_is_refused(field):
+    """A record that lost a field would otherwise load with the field's default (a dropped ``map``
+    of exp_avg_sq, saved power-1, decoded with the nonlinear map: 29% of its largest value off)."""
+    model, opt = _good()
+    sd = copy.deepcopy(opt.state_dict())
+    record = sd["state"][0]["exp_avg_sq"]["codec"]
+    if field == "unknown":
+        record["zero_point"] = True
+        needle = "unknown field(s) 'zero_point'"
+    else:
+        del record[field]
+        needle = f"missing field(s) {field!r}"
+    before = flat_state(opt)
+    with pytest.raises(ValueError) as e:
+        opt.load_state_dict(sd)
+    msg = str(e.value)
+    assert "parameter 0 ('0.weight'): quantized state 'exp_avg_sq' is invalid: codec record: " + needle in msg
+    assert "the optimizer was left unchanged" in msg
+    assert_same_state(before, flat_state(opt))
+
+
+def test_codec_records_without_the_later_optional_fields_load():
+    """Records written before ``statistic`` / ``min_scale`` existed (and every record at their
+    defaults, which to_dict leaves out) load as absmax / 0."""
+    model, opt = _good()
+    sd = opt.state_dict()
+    assert all(k not in sd["state"][0]["exp_avg"]["codec"] for k in ("statistic", "min_scale"))
+    assert set(sd["state"][0]["exp_avg"]["codec"]) == set(RECORD_FIELDS)
+    before = flat_state(opt)
+    opt2 = AdamW(model.named_parameters(), qconfig=DEFAULT, fused=False)
+    opt2.load_state_dict(_roundtrip(sd))
+    assert_same_state(before, flat_state(opt2))
 
 
 def test_wrong_param_count_against_torch_state_dict():

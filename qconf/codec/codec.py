@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -141,9 +142,21 @@ class Codec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Codec":
-        """Rebuild from :meth:`to_dict`; a dict without ``statistic``/``min_scale`` (written before
-        they existed) gets their defaults, absmax and 0."""
-        return cls(**d)
+        """Rebuild from :meth:`to_dict` (a checkpoint's codec record). The record must name every
+        field of :data:`RECORD_FIELDS`; a dict without ``statistic``/``min_scale`` (written before
+        they existed, or at their defaults) gets absmax and 0. ValueError naming a missing or an
+        unknown field: a default in place of a lost field would decode the state wrongly, silently."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a codec record must be a dict, got {type(d).__name__}")
+        missing = [f for f in RECORD_FIELDS if f not in d]
+        unknown = [k for k in d if k not in RECORD_FIELDS and k not in OPTIONAL_RECORD_FIELDS]
+        if missing or unknown:
+            what = "; ".join(part for part in (f"missing field(s) {', '.join(map(repr, missing))}" if missing else "",
+                                               f"unknown field(s) {', '.join(map(repr, unknown))}" if unknown else "")
+                             if part)
+            raise ValueError(f"codec record: {what} (a record names {', '.join(RECORD_FIELDS)}, and optionally "
+                             f"{', '.join(OPTIONAL_RECORD_FIELDS)})")
+        return cls(**dict(d))
 
     def __repr__(self) -> str:
         return (f"Codec(bits={self.bits}, map={self.map!r}, signed={self.signed}, scale={self.scale!r}, "
@@ -301,6 +314,10 @@ class Codec:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Codec)}
+#: The fields a codec record (:meth:`Codec.to_dict`) always has; the optional ones came later and
+#: are left out at their defaults, so that older qconf versions read the checkpoints.
+OPTIONAL_RECORD_FIELDS = ("statistic", "min_scale")
+RECORD_FIELDS = tuple(name for name in _FIELD_DEFAULTS if name not in OPTIONAL_RECORD_FIELDS)
 BACKENDS = ("reference", "native")
 
 
