@@ -297,12 +297,16 @@ def test_reduce_checks_the_gradients():
         plan.reduce(hyper, opt._seed, grads)
 
 
+@pytest.mark.parametrize("scale,group_size", [("rank1", 32), ("group", 1 << 20)])
 @pytest.mark.parametrize("isa", ISA_ORDER)
-def test_split_step_on_every_isa(isa, monkeypatch):
+def test_split_step_on_every_isa(isa, scale, group_size, monkeypatch):
+    # (groups of 2^20, longer than every tensor: one group; single-pass in the one-tile tensors,
+    # where the apply pass once wrote past its tile buffers, two-pass in the others)
     if isa not in machine_isas():
         pytest.skip(f"{isa} not supported here")
     monkeypatch.setenv("QCONF_CPU_ISA", isa)
-    (pa, oa), (pb, ob), _ = _run_pair(RULES["adamw"], _state_cfg("rank1", 4, "stochastic"), torch.float32, 2)
+    cfg = _state_cfg(scale, 4, "stochastic", group_size)
+    (pa, oa), (pb, ob), _ = _run_pair(RULES["adamw"], cfg, torch.float32, 2, shapes=SHAPES + [(64, 80)])
     _assert_same(pa, oa, pb, ob)
 
 
