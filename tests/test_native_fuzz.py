@@ -74,3 +74,18 @@ def test_a_group_longer_than_the_tensor_is_one_group(fused):
     for key in ("exp_avg", "exp_avg_sq"):
         assert group[key].scales.numel() == 1
         assert torch.equal(group[key].codes, tensor[key].codes) and torch.equal(group[key].scales, tensor[key].scales)
+
+
+def test_the_reported_crash_runs_and_equals_the_reference(tmp_path):
+    """The report's example (a 5000-element parameter, exp_avg groups of 2^20 or 2^24, the rest of
+    the default qconfig) with AdamW, SGD and Lion on every ISA, in a child process: it aborted
+    with "double free or corruption" or a segmentation fault."""
+    cases = []
+    for rule in ("adamw", "sgd", "lion"):
+        for group_size in (1 << 20, MAX_GROUP_SIZE):
+            state = {"enable": True, "bits": 4, "map": "nonlinear", "signed": True, "scale": "group",
+                     "group_size": group_size, "rounding": "nearest"}
+            cases += [{"rule": rule, "shape": [5000], "dtype": "float32", "states": {"exp_avg": state},
+                       "weights": None, "strided": False, "threads": 2, "isa": isa} for isa in machine_isas()]
+    problems = native_fuzz.run_isolated(cases, tmp_path)
+    assert not problems, "\n".join(problems)
