@@ -7,7 +7,9 @@ from .adam import Adam, AdamW
 from .base import QOptimizer
 from .export import export_torch_state_dict
 from .lion import Lion
+from .release import prepare_gradient_release, remove_gradient_release
 from .sgd import SGD
 from .spec import Hyper, Slot, StateSpec
 
-__all__ = ["AdamW", "Adam", "SGD", "Lion", "QOptimizer", "StateSpec", "Slot", "Hyper", "export_torch_state_dict"]
+__all__ = ["AdamW", "Adam", "SGD", "Lion", "QOptimizer", "StateSpec", "Slot", "Hyper", "export_torch_state_dict",
+           "prepare_gradient_release", "remove_gradient_release"]

@@ -56,14 +56,15 @@ class _AdamBase(QOptimizer):
                  factor_second_moment: bool = False, maximize: bool = False, foreach: bool | None = None,
                  capturable: bool = False, differentiable: bool = False, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
-                 compensation: str | None = None) -> None:
+                 compensation: str | None = None, gradient_release: bool = False) -> None:
         del foreach  # accepted for signature compatibility; qconf picks fused or reference itself
         defaults = self.validate_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                                         "maximize": maximize, "factor_second_moment": factor_second_moment,
                                         "amsgrad": amsgrad, "capturable": capturable,
                                         "differentiable": differentiable})
         super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
-                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
+                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation,
+                         gradient_release=gradient_release)
 
     @classmethod
     def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ._validate import check_seed
 from .fused import CompiledFusedSteps, FusedParam, FusedStepper, unfusable_reason
 from .params import NamedParams, compute_dtype, real_view
 from .reference import ReferenceSteps
+from .release import ReleaseSteps
 from .sharded import finish_encodes, is_sharded, shard_geometry
 from .sharded_step import ShardedSteps
 from .sharded_state import agree, export_states
@@ -37,9 +38,9 @@ from .states import convert_state, zero_state
 __all__ = ["QOptimizer"]
 
 #: attributes that survive copy.deepcopy and pickling (beside torch's defaults, state, param_groups)
-_PICKLED = ("qconfig", "_seed", "_enable_overrides", "_fused", "_bf16_sr", "_compensation")
+_PICKLED = ("qconfig", "_seed", "_enable_overrides", "_fused", "_bf16_sr", "_compensation", "_gradient_release")
 
-class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, Optimizer):
+class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, ReleaseSteps, Optimizer):
     """Base class of qconf's low-bit optimizers (a :class:`torch.optim.Optimizer`).
 
     Args:
@@ -56,6 +57,9 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
             the qconfig's ``weights.rounding`` does the same per parameter, for bf16 and fp16).
         compensation: ``"kahan"`` keeps a compensation buffer for every bf16/fp16 parameter,
             ``"none"`` for none; None (default) follows the qconfig's ``weights.compensation``.
+        gradient_release: step each parameter inside backward and free its gradient at once, once
+            :func:`~qconf.optim.prepare_gradient_release` has registered the hooks
+            (:mod:`qconf.optim.release`; ``step()`` and ``zero_grad()`` then do nothing).
     """
 
     #: the fused kernel's update rule: ``"adam"`` (Adam and AdamW), ``"sgd"`` or ``"lion"``
@@ -73,7 +77,8 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], *, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
-                 compensation: str | None = None) -> None:
+                 compensation: str | None = None, gradient_release: bool = False) -> None:
+        self._init_release(gradient_release)
         if compensation not in (None, "none", "kahan"):
             raise ValueError(f"compensation must be None, 'none' or 'kahan', got {compensation!r}")
         if not isinstance(bf16_stochastic_round, bool):
@@ -108,6 +113,7 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         self._layout_version = 0
         self._fusable_cache = {}
         self._kernel = _choose_kernel(type(self).__name__, self._fused, self.kernel_rule)
+        self._reset_release()  # (the hooks stay with the original's model)
 
     # -- plans and states ---------------------------------------------------------------------
     def plan(self, index: int) -> StatePlan:
@@ -242,6 +248,8 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step. ``closure`` re-evaluates the model and returns the loss."""
+        if self._release_active:  # every parameter stepped in backward (qconf.optim.release)
+            return self._released_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -261,6 +269,24 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         if sharded:
             self._sharded_step(sharded)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; while gradient release runs, only for the gradients still held
+        (the released ones are gone already: :mod:`qconf.optim.release`)."""
+        if self._release_active:
+            self._release_zero_grad(set_to_none)
+        else:
+            super().zero_grad(set_to_none)
+
+    def _step_one(self, p: torch.Tensor, index: int, group: dict[str, Any]) -> None:
+        """One step of parameter ``p`` (index ``index`` of ``group``) alone, on its gradient: the
+        fused kernel (a plan of its own) or the reference path, as the group's step would take it."""
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if self._kernel is not None and self._fusable(group):
+            self._kernel.step(("release", index), *self._plan_source(group, [p]), self._hyper(group), self._seed)
+        else:
+            self._reference_step(p, index, group, self._ensure_state(p, index, group))
 
     def _fusable(self, group: dict[str, Any]) -> bool:
         """Whether every parameter of ``group`` can take the fused step. With ``fused=True`` an
@@ -297,10 +323,11 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         """The group hyperparameters that decide which states exist (cached plans depend on it)."""
         return ()
 
-    def _plan_source(self, group: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], list[FusedParam]]] | None:
-        """The key and describe callables of ``group``'s fused plan (see ``FusedStepper.plan``) over
-        the parameters that have gradients; None when none has."""
-        params = group["params"]
+    def _plan_source(self, group: dict[str, Any], params: list[torch.Tensor] | None = None
+                     ) -> tuple[Callable[[], Any], Callable[[], list[FusedParam]]] | None:
+        """The key and describe callables of the fused plan (see ``FusedStepper.plan``) of ``group``'s
+        parameters (or of ``params``, some of them) that have gradients; None when none has."""
+        params = group["params"] if params is None else params
         have = None
         if any(p.grad is None for p in params):
             have = tuple(p.grad is not None for p in params)

@@ -29,10 +29,11 @@ class Lion(QOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
-                 compensation: str | None = None) -> None:
+                 compensation: str | None = None, gradient_release: bool = False) -> None:
         defaults = self.validate_group({"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize})
         super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
-                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
+                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation,
+                         gradient_release=gradient_release)
 
     @classmethod
     def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:

@@ -37,13 +37,14 @@ class SGD(QOptimizer):
                  weight_decay: float = 0, nesterov: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, differentiable: bool = False, qconfig: Any = None,
                  fused: bool | None = None, seed: int | None = None, bf16_stochastic_round: bool = False,
-                 compensation: str | None = None) -> None:
+                 compensation: str | None = None, gradient_release: bool = False) -> None:
         del foreach
         defaults = self.validate_group({"lr": lr, "momentum": momentum, "dampening": dampening,
                                         "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
                                         "differentiable": differentiable})
         super().__init__(params, defaults, qconfig=qconfig, fused=fused, seed=seed,
-                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation)
+                         bf16_stochastic_round=bf16_stochastic_round, compensation=compensation,
+                         gradient_release=gradient_release)
 
     @classmethod
     def validate_group(cls, group: Mapping[str, Any]) -> dict[str, Any]:
