@@ -1,5 +1,11 @@
-"""``memory_report(opt)``: optimizer-state bytes per state per parameter, totals, fp32 equivalent;
-``saved_bytes(module, x)``: the bytes autograd keeps for backward (activations vs parameters).
+"""``memory_report(opt)``: optimizer-state bytes per state per parameter, totals, fp32 equivalent,
+and the training bytes per parameter (parameters + gradients + states); ``saved_bytes(module, x)``:
+the bytes autograd keeps for backward (activations vs parameters).
+
+Training bytes: the parameters' own bytes, their gradients' (one per parameter, in its dtype; with
+gradient release only the largest one, since each is freed as soon as its parameter stepped:
+docs/memory.md) and the states. Activations and workspace are not in it (``qconf bench --memory``
+measures a whole training step).
 
 Bytes come from the state tensors where they exist (a ``QTensor``'s packed codes + scales, or an
 fp32 tensor's storage) and from the plan before the first step; both agree. ``step`` counters are
@@ -33,6 +39,7 @@ class MemoryRow:
     states: dict[str, int]
     formats: dict[str, str]
     fp32_bytes: int
+    param_bytes: int = 0  #: the parameter itself (this rank's shard when sharded)
 
     @property
     def numel(self) -> int:
@@ -50,6 +57,8 @@ class MemoryReport:
     rows: tuple[MemoryRow, ...]
     #: (numel, total_bytes, fp32_bytes) summed over the ranks when parameters are sharded, else None
     whole_model: tuple[int, int, int] | None = None
+    #: the optimizer frees each gradient in backward (gradient_release=True): one gradient at a time
+    gradient_release: bool = False
 
     @property
     def numel(self) -> int:
@@ -67,6 +76,25 @@ class MemoryReport:
     def bytes_per_param(self) -> float:
         return self.total_bytes / max(self.numel, 1)
 
+    @property
+    def param_bytes(self) -> int:
+        return sum(r.param_bytes for r in self.rows)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Gradient bytes held at the step: every parameter's, or with gradient release the largest one."""
+        sizes = [r.param_bytes for r in self.rows]  # a gradient has its parameter's shape and dtype
+        return (max(sizes, default=0) if self.gradient_release else sum(sizes))
+
+    @property
+    def train_bytes(self) -> int:
+        """Parameters + gradients + optimizer states (no activations)."""
+        return self.param_bytes + self.grad_bytes + self.total_bytes
+
+    @property
+    def train_bytes_per_param(self) -> float:
+        return self.train_bytes / max(self.numel, 1)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "params": [{"name": r.name, "shape": list(r.shape), "numel": r.numel, "states": dict(r.states),
@@ -76,6 +104,11 @@ class MemoryReport:
             "total_bytes": self.total_bytes,
             "fp32_bytes": self.fp32_bytes,
             "bytes_per_param": self.bytes_per_param,
+            "param_bytes": self.param_bytes,
+            "grad_bytes": self.grad_bytes,
+            "train_bytes": self.train_bytes,
+            "train_bytes_per_param": self.train_bytes_per_param,
+            "gradient_release": self.gradient_release,
             "whole_model": None if self.whole_model is None else dict(
                 zip(("numel", "total_bytes", "fp32_bytes"), self.whole_model)),
         }
@@ -97,6 +130,10 @@ class MemoryReport:
             numel, total, fp32 = self.whole_model
             text += (f" on this rank; whole model {total / 2**20:.2f} MiB vs fp32 {fp32 / 2**20:.2f} MiB "
                      f"({numel} params)")
+        grads = "the largest gradient: gradient release" if self.gradient_release else "one per parameter"
+        text += (f"\ntraining memory (params + grads + states): {self.param_bytes / 2**20:.2f} + "
+                 f"{self.grad_bytes / 2**20:.2f} ({grads}) + {self.total_bytes / 2**20:.2f} = "
+                 f"{self.train_bytes / 2**20:.2f} MiB, {self.train_bytes_per_param:.2f} B/param")
         return text
 
 
@@ -117,7 +154,7 @@ def memory_report(opt: Any) -> MemoryReport:
             geo = shard_geometry(p)
             sharded = sharded or (geo.group if geo is not None else None)
             index += 1
-    report = MemoryReport(tuple(rows))
+    report = MemoryReport(tuple(rows), gradient_release=bool(getattr(opt, "gradient_release", False)))
     if sharded is None:
         return report
     sums = torch.tensor([report.numel, report.total_bytes, report.fp32_bytes], dtype=torch.float64)
@@ -142,7 +179,8 @@ def _row(opt: Any, index: int, p: torch.Tensor, group: dict[str, Any]) -> Memory
         formats[spec.key] = (str(spec.dtype).removeprefix("torch.") if codec is None
                              else describe_codec(codec, spec.shape))
     fp32 = 4 * math.prod(shape) * opt.fp32_state_count(group)
-    return MemoryRow(opt.param_name(index) or f"param{index}", shape, states, formats, fp32)
+    return MemoryRow(opt.param_name(index) or f"param{index}", shape, states, formats, fp32,
+                     param_bytes=math.prod(shape) * p.element_size())
 
 
 def saved_bytes(module: torch.nn.Module, *inputs: Any) -> tuple[int, int]:

@@ -319,6 +319,24 @@ def test_memory_report_4096_square_default_config():
     assert "exp_avg_sq" in text and "B/param" in text
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_report_training_bytes(dtype):
+    """params + grads + states: every gradient normally, the largest one with gradient release."""
+    model = mlp(dtype=dtype)
+    size = 4 if dtype == torch.float32 else 2
+    numel = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    for release, grads in ((False, numel * size), (True, largest * size)):
+        opt = AdamW(model.named_parameters(), qconfig=DEFAULT, gradient_release=release)
+        rep = qconf.memory_report(opt)
+        assert rep.gradient_release is release and rep.param_bytes == numel * size and rep.grad_bytes == grads
+        assert rep.train_bytes == numel * size + grads + rep.total_bytes
+        assert rep.train_bytes_per_param == pytest.approx(rep.train_bytes / numel)
+        assert rep.to_dict()["train_bytes_per_param"] == rep.train_bytes_per_param
+        assert f"{rep.train_bytes_per_param:.2f} B/param" in str(rep)
+        assert ("the largest gradient: gradient release" in str(rep)) is release
+
+
 def test_memory_report_rows_and_totals():
     model = mlp()
     opt = SGD(model.named_parameters(), lr=0.1, momentum=0.9, qconfig=EIGHT, fused=False)

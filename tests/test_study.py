@@ -284,3 +284,22 @@ def test_a_bitnet_config_trains_bitnet_layers_in_a_study_run(monkeypatch):
     assert converted == [blocks, blocks]
     train_run(task, load_config(FP32), "fp32", 0, steps=2, lr=3e-3, eval_every=2)
     assert len(converted) == 2  # no bitnet section: the model is left as it is
+
+
+# -- gradient release ---------------------------------------------------------------------------------
+def test_a_study_with_gradient_release_equals_the_normal_one_with_fewer_training_bytes(capsys, tmp_path):
+    """The same runs bit for bit (losses and the shadow's state errors, fed inside backward); the
+    training B/param column drops by the gradients (one gradient at a time)."""
+    runs = {}
+    for release in (False, True):
+        kwargs = {"gradient_release": True} if release else None
+        runs[release] = compare({"4bit": FOUR}, task="test_study_tasks:tiny_task", steps=8, seeds=1, eval_every=4,
+                                out=False, progress=False, optimizer_kwargs=kwargs).runs[0]
+    normal, release = runs[False], runs[True]
+    assert release.status == "ok" and release.train_loss == normal.train_loss and release.eval == normal.eval
+    assert release.qerr == normal.qerr and release.final_qerr("exp_avg") > 0
+    assert release.state_bytes_per_param == normal.state_bytes_per_param
+    assert release.train_bytes_per_param < normal.train_bytes_per_param  # (all gradients vs the largest)
+    code, out, _ = run_cli(capsys, FOUR, "--task", "test_study_tasks:tiny_task", "--steps", "4", "--seeds", "1",
+                           "--gradient-release", "--no-progress", "--out", str(tmp_path / "study"))
+    assert code == 0 and "train B/param" in out

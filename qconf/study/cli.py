@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opt-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra optimizer argument for every run, e.g. eps=1e-6, weight_decay=0, betas=0.9,0.95 "
                         "(repeatable)")
+    p.add_argument("--gradient-release", action="store_true",
+                   help="step each parameter inside backward and free its gradient (gradient_release=True; "
+                        "docs/memory.md): the training B/param column drops by the gradients")
     p.add_argument("--no-qerr", action="store_true",
                    help="skip the fp32 shadow optimizer (no quantization-error columns; slightly faster)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar and per-run lines on stderr")
@@ -154,6 +157,8 @@ def execute(args: argparse.Namespace) -> int:
     try:
         check_out_dir(args.out)
         kwargs = parse_opt_args(args.opt_arg)
+        if args.gradient_release:
+            kwargs["gradient_release"] = True
         result = compare(args.configs, task=args.task or DEFAULT_TASK, optimizer=args.optimizer, steps=args.steps,
                          seeds=DEFAULT_SEEDS if args.seeds is None else args.seeds, lr=args.lr, fused=args.fused,
                          out=args.out, eval_every=args.eval_every, threads=args.threads, optimizer_kwargs=kwargs,

@@ -165,7 +165,8 @@ def _write_report(result: StudyResult, path: Path, plots: list[str]) -> Path:
     parts.append("- **configs**: " + ", ".join(f"`{c.label}` ({c.source})" for c in result.configs))
     parts += ["", "## Results", "", _md_table(headers, rows, align), "",
               "Mean ± std over the seeds that finished without diverging. *state B/param*: optimizer state bytes "
-              "per parameter (`qconf.memory_report`). *vs BASELINE (paired)*: final eval loss minus the quantization-free "
+              "per parameter (`qconf.memory_report`). *train B/param*: parameters + gradients + states per parameter "
+              "(with gradient release one gradient at a time: docs/memory.md). *vs BASELINE (paired)*: final eval loss minus the quantization-free "
               "config's on the same seed (same initial weights and batches), mean ± std over seeds -- less noisy than "
               "comparing the means. *unstable*: share of seeds that diverged. *ms/step*: median "
               "train step (batch, forward, backward, optimizer step) after the first steps; *opt ms/step*: the "

@@ -110,8 +110,9 @@ class StudyResult:
             timed = [r for r in runs if r.step_ms is not None]
             row["step_ms"] = statistics.median(r.step_ms for r in timed) if timed else None
             row["opt_ms"] = statistics.median(r.opt_ms for r in timed) if timed else None
-            sized = [r.state_bytes_per_param for r in runs if r.state_bytes_per_param is not None]
-            row["state_bytes_per_param"] = sized[0] if sized else None
+            sized = [r for r in runs if r.state_bytes_per_param is not None]
+            row["state_bytes_per_param"] = sized[0].state_bytes_per_param if sized else None
+            row["train_bytes_per_param"] = sized[0].train_bytes_per_param if sized else None
             # state errors describe storage, not the outcome: diverged seeds count too (their last
             # finite measurement, taken at or before the evaluation where they stopped)
             for s in self.state_names():
@@ -137,7 +138,7 @@ class StudyResult:
         metrics = self.metric_names()
         states = self.state_names()
         base = self.baseline()
-        headers = ["config", "state B/param", "final eval loss", "best eval loss"]
+        headers = ["config", "state B/param", "train B/param", "final eval loss", "best eval loss"]
         if base is not None:
             headers.append(f"vs {base.label} (paired)")
         headers += [f"final {m}" for m in metrics]
@@ -145,7 +146,7 @@ class StudyResult:
         headers += [("err " if s not in ("v_zero",) else "") + s for s in states]
         rows = []
         for r in self.summary():
-            line: list[Any] = [r["config"], _fmt(r["state_bytes_per_param"], ".3f"),
+            line: list[Any] = [r["config"], _fmt(r["state_bytes_per_param"], ".3f"), _fmt(r["train_bytes_per_param"], ".2f"),
                                _pm(r["final_loss_mean"], r["final_loss_std"]),
                                _pm(r["best_loss_mean"], r["best_loss_std"])]
             if base is not None:
@@ -160,7 +161,7 @@ class StudyResult:
             line += [unstable, _fmt(r["step_ms"], ".1f"), _fmt(r["opt_ms"], ".2f")]
             line += [_fmt(r[f"qerr_{s}_mean"], ".3%" if s == "v_zero" else ".2e") for s in states]
             rows.append(line)
-        align = "lrll" + ("l" if base is not None else "") + "l" * len(metrics) + "lrr" + "r" * len(states)
+        align = "lrrll" + ("l" if base is not None else "") + "l" * len(metrics) + "lrr" + "r" * len(states)
         return headers, rows, align
 
     def table(self) -> str:

@@ -68,6 +68,7 @@ class RunResult:
     step_ms: float | None = None
     opt_ms: float | None = None
     state_bytes_per_param: float | None = None
+    train_bytes_per_param: float | None = None  #: parameters + gradients + states (memory_report)
     wall_s: float = 0.0
 
     @property
@@ -116,13 +117,26 @@ class _Shadow:
         self.opt = make_optimizer(opt_name, [(n, s) for (n, _), (_, s) in zip(named, self.pairs)], lr=lr,
                                   qconfig=load_config(FP32_CONFIG), fused=fused, kwargs=kwargs)
 
-    def feed(self, lr: float) -> None:
-        """Take the model's current parameters and a copy of its gradients (call before the real step)."""
-        for p, s in self.pairs:
-            s.copy_(p.detach())
-            s.grad = None if p.grad is None else p.grad.detach().clone()
+    def feed(self, lr: float, grads: bool = True) -> None:
+        """Take the model's current parameters and a copy of its gradients (call before the real
+        step; ``grads=False``: the hooks of :meth:`feed_in_backward` took them already)."""
+        if grads:
+            for p, s in self.pairs:
+                self._take(p, s)
         for g in self.opt.param_groups:
             g["lr"] = lr
+
+    def feed_in_backward(self) -> None:
+        """With gradient release the model's parameters step inside backward and their gradients
+        are freed: a post-accumulate-grad hook registered before the release hooks (hooks run in
+        registration order) takes each parameter and gradient just before its step."""
+        for p, s in self.pairs:
+            p.register_post_accumulate_grad_hook(lambda p, s=s: self._take(p, s))
+
+    @staticmethod
+    def _take(p: torch.Tensor, s: torch.Tensor) -> None:
+        s.copy_(p.detach())
+        s.grad = None if p.grad is None else p.grad.detach().clone()
 
     def step(self) -> None:
         self.opt.step()
@@ -229,7 +243,8 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
         opt = make_optimizer(optimizer, named, lr=lr, qconfig=qconfig, fused=fused, kwargs=optimizer_kwargs)
         sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: task.lr_schedule(s, steps))
                  if task.lr_schedule is not None else None)
-        shadow = _Shadow(optimizer, named, lr, fused, optimizer_kwargs) if measure_error else None
+        shadow = _Shadow(optimizer, named, lr, fused, _without_release(optimizer_kwargs)) if measure_error else None
+        release = _prepare_release(model, opt, shadow)
 
         initial = _evaluate(task, model)
         result.eval.append({"step": 0, **initial})
@@ -251,7 +266,7 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
             loss.backward()
             t1 = time.perf_counter()
             if shadow is not None:  # not timed
-                shadow.feed(opt.param_groups[0]["lr"])
+                shadow.feed(opt.param_groups[0]["lr"], grads=not release)
             t2 = time.perf_counter()
             opt.step()
             t3 = time.perf_counter()
@@ -276,11 +291,29 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
     finally:
         result.wall_s = time.perf_counter() - start
         if opt is not None:
-            result.state_bytes_per_param = memory_report(opt).bytes_per_param
+            report = memory_report(opt)
+            result.state_bytes_per_param = report.bytes_per_param
+            result.train_bytes_per_param = report.train_bytes_per_param
         if step_times:
             result.step_ms = 1e3 * statistics.median(step_times)
             result.opt_ms = 1e3 * statistics.median(opt_times)
     return result
+
+
+def _prepare_release(model: torch.nn.Module, opt: torch.optim.Optimizer, shadow: _Shadow | None) -> bool:
+    """With ``gradient_release=True`` (qconf.optim.release) each parameter steps in backward and
+    ``opt.step()`` has nothing left: the hooks go on, the shadow's first. Returns whether they did."""
+    if not getattr(opt, "gradient_release", False):
+        return False
+    if shadow is not None:
+        shadow.feed_in_backward()
+    qoptim.prepare_gradient_release(model, opt)
+    return True
+
+
+def _without_release(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The optimizer arguments of the fp32 shadow: the run's, but stepping normally."""
+    return None if kwargs is None else {k: v for k, v in kwargs.items() if k != "gradient_release"}
 
 
 class RunInterrupted(KeyboardInterrupt):
