@@ -89,7 +89,21 @@ def _extensions():
                             extra_compile_args={"cxx": cxx + ["-DQCONF_WITH_CUDA"], "nvcc": nvcc})
     else:
         ext = CppExtension("qconf._C", sources, **common, extra_compile_args={"cxx": cxx})
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}
+    return [ext], {"build_ext": _incremental_editable(
+        BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None), here)}
+
+
+def _incremental_editable(base, here):
+    """``base`` (torch's build_ext), whose editable builds compile in build/editable-temp: pip
+    install -e gives every build a new temporary directory, so a second install (the README's test
+    command after its first command) recompiled everything; in a fixed one ninja recompiles only
+    what changed (its log holds each object's command line, so other flags rebuild)."""
+    class BuildExt(base):
+        def finalize_options(self):
+            super().finalize_options()
+            if getattr(self, "editable_mode", False):
+                self.build_temp = os.path.join(here, "build", "editable-temp")
+    return BuildExt
 
 
 ext_modules, cmdclass = _extensions()
