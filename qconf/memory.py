@@ -175,7 +175,8 @@ def _row(opt: Any, index: int, p: torch.Tensor, group: dict[str, Any]) -> Memory
             codec = value.codec if isinstance(value, QTensor) else None
         else:
             held = spec.shape if geo is None else geo.state_shape(codec)
-            states[spec.key] = codec.nbytes(held) if codec is not None else 4 * math.prod(held)
+            states[spec.key] = (codec.nbytes(held) if codec is not None
+                                else torch.empty((), dtype=spec.dtype).element_size() * math.prod(held))
         formats[spec.key] = (str(spec.dtype).removeprefix("torch.") if codec is None
                              else describe_codec(codec, spec.shape))
     fp32 = 4 * math.prod(shape) * opt.fp32_state_count(group)

@@ -337,6 +337,15 @@ def test_memory_report_training_bytes(dtype):
         assert ("the largest gradient: gradient release" in str(rep)) is release
 
 
+def test_memory_report_plans_a_bf16_kahan_buffer_at_2_bytes():
+    p = torch.nn.Parameter(torch.randn(64, 96).bfloat16())
+    opt = AdamW([p], qconfig={"base": DEFAULT, "min_numel": 0, "weights": {"compensation": "kahan"}})
+    planned = qconf.memory_report(opt).rows[0].states["kahan_comp"]
+    p.grad = torch.randn(64, 96).bfloat16()
+    opt.step()
+    assert planned == qconf.memory_report(opt).rows[0].states["kahan_comp"] == 2 * p.numel()
+
+
 def test_memory_report_rows_and_totals():
     model = mlp()
     opt = SGD(model.named_parameters(), lr=0.1, momentum=0.9, qconfig=EIGHT, fused=False)
