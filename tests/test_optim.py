@@ -339,7 +339,7 @@ def test_memory_report_training_bytes(dtype):
 
 def test_memory_report_plans_a_bf16_kahan_buffer_at_2_bytes():
     p = torch.nn.Parameter(torch.randn(64, 96).bfloat16())
-    opt = AdamW([p], qconfig={"base": DEFAULT, "min_numel": 0, "weights": {"compensation": "kahan"}})
+    opt = AdamW([p], qconfig={"base": "default", "min_numel": 0, "weights": {"compensation": "kahan"}})
     planned = qconf.memory_report(opt).rows[0].states["kahan_comp"]
     p.grad = torch.randn(64, 96).bfloat16()
     opt.step()
