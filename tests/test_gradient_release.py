@@ -356,3 +356,19 @@ def test_dcp_resume_with_release_equals_the_normal_run(tmp_path):
     set_optimizer_state_dict(model2, opt2, template["optim"])
     _train(model2, opt2, batches[3:])
     _assert_same_run(reference, (model2, opt2))
+
+
+def test_a_compiled_model_releases_the_same_way():
+    """torch.compile compiles the model's forward and backward; the gradients still reach the
+    parameters through autograd's accumulation, where the hooks step them."""
+    batches = list(regression_batches(3, seed=12))
+    runs = []
+    for release in (False, True):
+        model, opt = _make(release=release)
+        compiled = torch.compile(model)
+        for x, y in batches:
+            torch.nn.functional.mse_loss(compiled(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    _assert_same_run(*runs)
