@@ -34,13 +34,13 @@ def _qconfig(config: str, weights: dict) -> dict:
     return {"base": str(CONFIGS / QCONFIGS[config]), "min_numel": 0, "weights": weights}
 
 
-def _make(rule="adamw", config="rank1", weights="fp32", fused=None, release=False, seed=0):
+def _make(rule="adamw", config="rank1", weights="fp32", fused=None, release=False, seed=0, grad_norms=False):
     dtype, w = WEIGHTS[weights]
     model = mlp(seed, dtype=dtype)
     opt = RULES[rule](model.named_parameters(), qconfig=_qconfig(config, w), fused=fused, seed=5,
                       gradient_release=release)
     if release:
-        prepare_gradient_release(model, opt)
+        prepare_gradient_release(model, opt, grad_norms=grad_norms)
     return model, opt
 
 
@@ -266,7 +266,7 @@ def test_a_closure_runs_once_and_its_backward_steps(fused):
 
 
 def test_gradient_norms_work_and_a_clip_that_would_scale_is_refused():
-    normal, release = _make(), _make(release=True)
+    normal, release = _make(), _make(release=True, grad_norms=True)
     x, y = next(regression_batches(1))
     for model, _ in (normal, release):
         _loss(model, x, y).backward()
@@ -281,6 +281,22 @@ def test_gradient_norms_work_and_a_clip_that_would_scale_is_refused():
         release[0][0].weight.grad.norm(p=1)
     with pytest.raises(RuntimeError, match="zero_"):
         release[0].zero_grad(set_to_none=False)
+
+
+def test_gradient_norms_are_kept_only_on_request():
+    """Without grad_norms=True a release keeps no norm (it would read every gradient once more): a
+    norm, a clip (even one that would clip nothing) and a bad flag are refused, naming the fix."""
+    model, opt = _make(release=True)
+    x, y = next(regression_batches(1))
+    _loss(model, x, y).backward()
+    assert model[0].weight.grad.norm2 is None
+    fix = r"kept no norm of the gradient of parameter 0 \('0.weight'\); .*grad_norms=True"
+    with pytest.raises(RuntimeError, match=r"linalg_vector_norm.*" + fix):
+        model[0].weight.grad.norm()
+    with pytest.raises(RuntimeError, match=r"_foreach_norm.*" + fix + ".*max_grad_norm=0"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), foreach=True)
+    with pytest.raises(ValueError, match="grad_norms must be True or False, got 1"):
+        prepare_gradient_release(model, opt, grad_norms=1)
 
 
 def test_a_grad_scaler_is_refused():

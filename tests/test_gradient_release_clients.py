@@ -40,14 +40,17 @@ class _Regression(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(self.net(x.bfloat16()).float(), y)}
 
 
-def _hf_run(tmp_path, release, **args):
+def _hf_run(tmp_path, release, grad_norms=True, **args):
+    """Train 6 steps under HF Trainer. It computes the gradients' global norm on every step (to log
+    it, clip_grad_norm_ with an infinite threshold when max_grad_norm=0), so a release run keeps the
+    norms (``grad_norms=True``) unless told otherwise."""
     import transformers
     x, y = _data()
     dataset = [{"x": a, "y": b} for a, b in zip(x, y)]
     model = _Regression()
     opt = AdamW(model.named_parameters(), lr=1e-2, qconfig=QCONFIG, seed=5, gradient_release=release)
     if release:
-        prepare_gradient_release(model, opt)
+        prepare_gradient_release(model, opt, grad_norms=grad_norms)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     targs = transformers.TrainingArguments(
         output_dir=str(tmp_path / f"hf{int(release)}"), max_steps=6, per_device_train_batch_size=8,
@@ -67,11 +70,14 @@ def test_hf_trainer_runs_unchanged_and_equals_the_normal_step(tmp_path):
 
 
 def test_hf_trainer_clipping_and_accumulation_are_refused(tmp_path):
-    # a clip that clips nothing changes nothing (the gradients' norm here is ~0.4); one that would
-    # scale the gradients is refused at that step
+    # with grad_norms=True a clip that clips nothing changes nothing (the gradients' norm here is ~0.4);
+    # one that would scale the gradients is refused at that step
     _assert_same(_hf_run(tmp_path, False, max_grad_norm=10.0), _hf_run(tmp_path, True, max_grad_norm=10.0))
     with pytest.raises(RuntimeError, match="which gradient release already used for its step and freed.*max_grad_norm"):
         _hf_run(tmp_path, True, max_grad_norm=1e-3)
+    # without grad_norms=True, HF Trainer's norm on the first step is refused, naming the fix
+    with pytest.raises(RuntimeError, match="kept no norm of the gradient of .*grad_norms=True.*max_grad_norm=0"):
+        _hf_run(tmp_path, True, grad_norms=False)
     with pytest.raises(RuntimeError, match="gradient_accumulation_steps=1"):
         _hf_run(tmp_path, True, gradient_accumulation_steps=2)
 

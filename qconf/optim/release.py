@@ -6,11 +6,14 @@ and its gradient is freed at once -- so a training run never holds every gradien
 :func:`prepare_gradient_release` ``(model, opt)`` registers, on every parameter of the optimizer,
 a ``register_post_accumulate_grad_hook`` that runs that parameter's step (fused kernel or reference
 path, the group's hyperparameters as they are at that moment) and replaces its ``.grad`` by a
-:class:`ReleasedGrad`: a tensor of the gradient's shape, dtype and device with no storage that
-keeps only the gradient's 2-norm. Norms of the gradients work (``clip_grad_norm_`` returns the
-true global norm: HF Trainer logs it every step); anything that would change or read the values
-raises a clear error (a clip that would scale the gradients, an fp16 ``GradScaler``,
-``zero_grad(set_to_none=False)``: gradient release has already stepped on the gradient as it was). A pre-hook on each parameter drops the marker before the next backward accumulates.
+:class:`ReleasedGrad`: a tensor of the gradient's shape, dtype and device with no storage. With
+``prepare_gradient_release(..., grad_norms=True)`` it keeps the gradient's 2-norm (one more read of
+each gradient), so norms of the gradients work (``clip_grad_norm_`` returns the true global norm,
+to log it); anything else that would change or read the values raises a clear error (any
+gradient norm without ``grad_norms=True``, a clip that would scale the gradients, an fp16
+``GradScaler``, ``zero_grad(set_to_none=False)``: gradient release has already stepped on the
+gradient as it was). A pre-hook on each parameter drops the marker before the next backward
+accumulates.
 While the hooks are in place ``opt.step()`` and ``opt.zero_grad()`` have nothing to do (they act
 only on gradients that are still held, which a release loop has none of), so training loops,
 LR schedulers, HF Trainer and Lightning run unchanged; :func:`remove_gradient_release` takes the
@@ -52,20 +55,21 @@ _INSTEAD = ("gradient release steps each parameter inside backward and frees its
 
 class ReleasedGrad(torch.Tensor):
     """The ``.grad`` of a parameter whose gradient release step has run: shape, dtype and device of
-    the gradient, no storage, and the gradient's 2-norm (``norm``, a 0-d tensor of the gradient's
-    dtype, taken before it was freed). What a framework asks of gradients after backward works
-    where it needs only that: their 2-norms (``torch.linalg.vector_norm`` / ``torch._foreach_norm``,
-    so ``clip_grad_norm_`` returns the true global norm, which HF Trainer logs on every step), and a
-    multiplication by exactly 1 (a clip that clips nothing). Every other operation -- a clip that
-    would scale the gradients, GradScaler's unscale, ``zero_grad(set_to_none=False)`` -- raises a
-    RuntimeError naming the parameter and the operation."""
+    the gradient, no storage, and -- when ``keep_norm`` -- the gradient's 2-norm (``norm2``, a 0-d
+    tensor of the gradient's dtype, taken before it was freed; else None). What a framework asks of
+    gradients after backward works where it needs only that: their 2-norms when kept
+    (``torch.linalg.vector_norm`` / ``torch._foreach_norm``, so ``clip_grad_norm_`` returns the
+    true global norm, to log it), and a multiplication by exactly 1 (a clip that clips nothing).
+    Every other operation -- a norm that was not kept, a clip that would scale the gradients,
+    GradScaler's unscale, ``zero_grad(set_to_none=False)`` -- raises a RuntimeError naming the
+    parameter and the operation."""
 
     @staticmethod
-    def __new__(cls, grad: torch.Tensor, name: str) -> "ReleasedGrad":
+    def __new__(cls, grad: torch.Tensor, name: str, keep_norm: bool) -> "ReleasedGrad":
         t = torch.Tensor._make_wrapper_subclass(cls, grad.shape, dtype=grad.dtype, device=grad.device,
                                                 layout=grad.layout, requires_grad=False)
         t.param_name = name
-        t.norm2 = torch.linalg.vector_norm(grad, 2.0)
+        t.norm2 = torch.linalg.vector_norm(grad, 2.0) if keep_norm else None
         return t
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -74,16 +78,21 @@ class ReleasedGrad(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten.linalg_vector_norm.default and _is_plain_2norm(args[1:], kwargs):
-            return args[0].norm2.clone()
-        if func is torch.ops.aten._foreach_norm.Scalar and _is_plain_2norm(args[1:], kwargs) and \
-                all(isinstance(t, ReleasedGrad) for t in args[0]):
-            return [t.norm2.clone() for t in args[0]]
+        released = [a for a in _flat(args, kwargs) if isinstance(a, ReleasedGrad)]
+        name = released[0].param_name if released else "a parameter"
+        norm = ((func is torch.ops.aten.linalg_vector_norm.default or (func is torch.ops.aten._foreach_norm.Scalar and
+                 all(isinstance(t, ReleasedGrad) for t in args[0]))) and _is_plain_2norm(args[1:], kwargs))
+        if norm and any(t.norm2 is None for t in released):
+            raise RuntimeError(f"{func}: gradient release kept no norm of the gradient of {name}; to log gradient "
+                               "norms, prepare with qconf.optim.prepare_gradient_release(model, opt, grad_norms=True) "
+                               "(one more read of every gradient). A global-norm clip cannot work either way: "
+                               "HF Trainer max_grad_norm=0, Lightning gradient_clip_val=None")
+        if norm:
+            return args[0].norm2.clone() if isinstance(args[0], ReleasedGrad) else [t.norm2.clone() for t in args[0]]
         if func in (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar) and _is_one(args[1]):
             return args[0]
-        names = [a.param_name for a in _flat(args, kwargs) if isinstance(a, ReleasedGrad)]
-        raise RuntimeError(f"{func} read the gradient of {names[0] if names else 'a parameter'}, which gradient release "
-                           f"already used for its step and freed; {_INSTEAD}")
+        raise RuntimeError(f"{func} read the gradient of {name}, which gradient release already used for its step and "
+                           f"freed; {_INSTEAD}")
 
 
 def _is_plain_2norm(args: tuple, kwargs: dict) -> bool:
@@ -140,6 +149,7 @@ class ReleaseSteps:
     _release_active: bool
     _release_paused: int
     _release_counts: dict[int, int]
+    _release_norms: bool
 
     def _init_release(self, gradient_release: bool) -> None:
         if not isinstance(gradient_release, bool):
@@ -150,6 +160,7 @@ class ReleaseSteps:
     def _reset_release(self) -> None:
         """Not prepared (a copy or an unpickled optimizer starts so: the hooks belong to the model)."""
         self._release_active = False
+        self._release_norms = False
         self._release_paused = 0
         self._release_counts = {}
 
@@ -178,7 +189,7 @@ class ReleaseSteps:
         with torch.no_grad():
             self._step_one(p, index, self._named_params()[index][2])
         self._release_counts[index] = self._release_counts.get(index, 0) + 1
-        p.grad = ReleasedGrad(p.grad, self._describe(index))
+        p.grad = ReleasedGrad(p.grad, self._describe(index), self._release_norms)
 
     def _released_step(self, closure: Callable[[], Any] | None) -> Any:
         """``opt.step(closure=None)`` while the hooks are in place. A closure runs once, as in a
@@ -223,13 +234,18 @@ class ReleaseSteps:
                 if p.grad is not None and not isinstance(p.grad, ReleasedGrad)]
 
 
-def prepare_gradient_release(model: torch.nn.Module, opt: ReleaseSteps) -> None:
+def prepare_gradient_release(model: torch.nn.Module, opt: ReleaseSteps, *, grad_norms: bool = False) -> None:
     """Registers gradient release hooks on every parameter of ``opt`` (each a parameter of
     ``model``); ``opt`` must have been built with ``gradient_release=True``. From now on
     ``backward`` steps each parameter and frees its gradient; ``opt.step()`` and
-    ``opt.zero_grad()`` do nothing. ValueError for an optimizer without the flag, a model already
+    ``opt.zero_grad()`` do nothing. ``grad_norms=True`` keeps each gradient's 2-norm on its
+    :class:`ReleasedGrad`, so ``clip_grad_norm_`` returns the global norm (to log it; off by
+    default: it reads every gradient once more, about 5% of a bf16 training step on the CPU).
+    ValueError for an optimizer without the flag, a model already
     prepared, or an optimizer parameter that is not in the model (it would never step);
     RuntimeError in multi-process training (DDP, FSDP2)."""
+    if not isinstance(grad_norms, bool):
+        raise ValueError(f"grad_norms must be True or False, got {grad_norms!r}")
     if not isinstance(opt, ReleaseSteps) or not opt.gradient_release:
         raise ValueError(f"prepare_gradient_release needs a qconf optimizer built with gradient_release=True, got "
                          f"{type(opt).__name__}{'' if isinstance(opt, ReleaseSteps) else ' (not a qconf optimizer)'}")
@@ -252,6 +268,7 @@ def prepare_gradient_release(model: torch.nn.Module, opt: ReleaseSteps) -> None:
     setattr(model, _MODEL_ATTR, _Hooks(opt, handles))
     opt._reset_release()
     opt._release_active = True
+    opt._release_norms = grad_norms
 
 
 def _drop_marker(p: torch.Tensor) -> Callable[[torch.Tensor], None]:
