@@ -3,6 +3,7 @@
     qconf validate FILE... | --list                check configs; one line per problem; list built-ins
     qconf show FILE [--model-shapes SPEC] [--json] the resolved config and per-parameter plan
     qconf bench [--size big|many|both] [...]       optimizer-step benchmark tables (qconf.bench)
+    qconf bench --memory [...]                     training-memory benchmark (qconf.bench.memory)
     qconf compare CONFIG... [--task NAME] [...]    train a task under each config, compare (qconf.study)
 
 Subcommands are registered by the functions in :data:`COMMANDS` (each adds one subparser and
@@ -284,7 +285,9 @@ def _register_bench(sub: argparse._SubParsersAction) -> None:
                                    "(for-loop, foreach, fused), torchao and bitsandbytes low-bit AdamW on the same "
                                    "parameters and gradients, in interleaved rounds, and print one table per size: "
                                    "ns/param, ratio to torch fused AdamW, state bytes/param, peak extra RSS during "
-                                   "step(). See docs/benchmarks.md.")
+                                   "step(). See docs/benchmarks.md. With --memory instead: train a 105M-parameter "
+                                   "GPT-style transformer with each optimizer and report peak bytes/param split into "
+                                   "params, grads, optimizer states and other, ms/step and the final loss.")
     add_arguments(p)
     p.set_defaults(func=_cmd_bench)
 

@@ -43,7 +43,7 @@ _CHILD = r'''
 import gc, json, sys, warnings
 import torch
 import qconf.optim as optim
-from qconf.bench.rss import _malloc_trim, _reset_hwm, _status_kb
+from qconf.bench.rss import malloc_trim, reset_hwm, status_kb
 
 torch.set_num_threads(1)
 results = []
@@ -67,12 +67,12 @@ for case in json.loads(sys.argv[1]):
         warnings.simplefilter("always")
         opt.step()  # warm-up: states and plans
         gc.collect()
-        _malloc_trim()
-        if not _reset_hwm():
+        malloc_trim()
+        if not reset_hwm():
             raise SystemExit("cannot reset the RSS high-water mark")
-        base = _status_kb("VmRSS")
+        base = status_kb("VmRSS")
         opt.step()
-        peak = _status_kb("VmHWM")
+        peak = status_kb("VmHWM")
     results.append({"extra": (peak - base) * 1024, "param_bytes": p.numel() * p.element_size(),
                     "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
                     "same_storage": p.data_ptr() == ptr and p.stride() == strides,

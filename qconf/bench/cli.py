@@ -1,7 +1,8 @@
-"""The benchmark's entry points: its options (:func:`add_arguments`, shared by ``qconf bench`` and
-``benchmarks/bench_step.py``), the explicit command that repeats a run, :func:`run` (every size,
-JSON-ready result), :func:`execute` (print the tables as they finish, write ``--json``) and
-:func:`main` (the script).
+"""The benchmark's entry points: its options (:func:`add_arguments`, shared by ``qconf bench``,
+``benchmarks/bench_step.py`` and ``benchmarks/bench_memory.py``), the explicit command that repeats
+a run, :func:`run` (every size, JSON-ready result), :func:`execute` (print the tables as they
+finish, write ``--json``; ``--memory`` goes to :func:`qconf.bench.memory_cli.execute_memory`) and
+:func:`main` (the scripts).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from . import cuda_static
 from .device import Backend, make_backend
+from .memory_cli import MEMORY_DESTS, MEMORY_ONLY, add_memory_arguments, execute_memory
 from .measure import SIZE_GROUPS, SLOW_FACTOR, bench_size, machine_info
 from .roster import CONFIGS, LR, WEIGHT_DECAY, contenders, default_config_dir, select
 from .rss import CHILD_MALLOC_ENV
@@ -49,10 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "4.1M params as one 1000x4096 tensor; both (default on the CPU) = big and many; all = big, "
                         "many, one; one table each. With --device cuda also gpu = 64 tensors of 4096x2048 (537M "
                         "params; the default there)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="cpu (default) or cuda: time the step on the current GPU (torch.cuda.synchronize around "
                         "every step), with a device copy of 28 B/param in the same rounds, GB/s, the fraction of "
-                        "the copy's bandwidth and peak GPU memory per row; no RSS subprocesses")
+                        "the copy's bandwidth and peak GPU memory per row; no RSS subprocesses. With --memory: "
+                        "train on this device only (default: cpu, then cuda)")
     p.add_argument("--rounds", type=int, default=50, metavar="N",
                    help="interleaved rounds; each times one step of every contender (default 50)")
     p.add_argument("--slow-rounds", type=int, default=7, metavar="N",
@@ -60,11 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, metavar="N",
                    help="untimed steps per contender first (absorbs torch.compile time; default 3)")
     p.add_argument("--threads", type=int, default=2, metavar="T", help="torch.set_num_threads (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the parameters, gradients and round order")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the parameters, gradients and round order (--memory: initial weights, tokens)")
     p.add_argument("--contenders", metavar="GLOB,...", type=lambda s: [x for x in s.split(",") if x],
                    help="only these contender keys (fnmatch globs, e.g. 'qconf-fused-*,torch-*'); the baseline "
-                        "torch-fused is always run. --list shows the keys")
-    p.add_argument("--list", action="store_true", help="list contender keys and exit")
+                        "torch-fused is always run. --list shows the keys (--memory --list: the memory rows')")
+    p.add_argument("--list", action="store_true", help="list contender keys (with --memory: row keys) and exit")
     p.add_argument("--no-rss", dest="rss", action="store_false", help="skip the peak-RSS subprocesses")
     p.add_argument("--rss-contenders", metavar="GLOB,...", type=lambda s: [x for x in s.split(",") if x],
                    help="measure peak RSS only for these contender keys")
@@ -83,19 +87,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--arch (NVRTC, no GPU needed) and print registers, stack, spills, SASS per element and the "
                         "H100 time they predict (benchmarks/cuda_static.py; docs/kernels.md)")
     cuda_static.add_arguments(p)
+    add_memory_arguments(p)
+
+
+def _defaults() -> dict[str, Any]:
+    """Every option's default (argparse dest -> value)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    return vars(p.parse_args([]))
+
+
+def check_mode(opts: argparse.Namespace) -> None:
+    """ValueError (one line) for a step-timing option given with ``--memory``, or a ``--memory-*``
+    option given without it (an option counts as given when it differs from its default)."""
+    given = [dest for dest, default in _defaults().items() if getattr(opts, dest, default) != default]
+    flag = {dest: "--no-rss" if dest == "rss" else "--" + dest.replace("_", "-") for dest in given}
+    if opts.memory:
+        wrong = [flag[d] for d in given if d not in MEMORY_DESTS]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}: not an option of --memory (it takes --memory-model, --memory-steps, "
+                             "--memory-warmup, --device, --threads, --seed, --contenders, --list, --json, --quiet)")
+    else:
+        wrong = [flag[d] for d in given if d in MEMORY_ONLY]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} needs --memory")
 
 
 def canonical_command(prog: str, opts: argparse.Namespace) -> str:
     """The command with every option explicit (reproduces the run)."""
-    argv = ["--device", opts.device] if opts.device != "cpu" else []
-    argv += ["--size", opts.size or DEFAULT_SIZE[opts.device], "--rounds", str(opts.rounds),
+    device = opts.device or "cpu"
+    argv = ["--device", device] if device != "cpu" else []
+    argv += ["--size", opts.size or DEFAULT_SIZE[device], "--rounds", str(opts.rounds),
              "--slow-rounds", str(opts.slow_rounds), "--warmup", str(opts.warmup), "--threads", str(opts.threads),
              "--seed", str(opts.seed)]
     if opts.contenders:
         argv += ["--contenders", ",".join(opts.contenders)]
-    if opts.device == "cpu" and not opts.rss:  # (no RSS subprocesses on a GPU)
+    if device == "cpu" and not opts.rss:  # (no RSS subprocesses on a GPU)
         argv.append("--no-rss")
-    elif opts.device == "cpu":
+    elif device == "cpu":
         argv += ["--rss-steps", str(opts.rss_steps)]
         if opts.rss_contenders:
             argv += ["--rss-contenders", ",".join(opts.rss_contenders)]
@@ -141,6 +170,7 @@ def run(opts: argparse.Namespace, prog: str = "qconf bench",
     """Run the benchmark described by ``opts`` (see :func:`add_arguments`); returns the JSON-ready result.
     ``on_event("start", result)`` and ``on_event(size, result)`` report progress (for printing).
     ValueError (one line) for bad options and for ``--device cuda`` without CUDA."""
+    opts.device = opts.device or "cpu"
     command = canonical_command(prog, opts)  # before _check fills in the default --configs
     _check(opts)
     backend = make_backend(opts.device)
@@ -171,7 +201,16 @@ def run(opts: argparse.Namespace, prog: str = "qconf bench",
 
 
 def execute(opts: argparse.Namespace, prog: str) -> int:
-    """Run, print the report (each size's table as soon as it is done) and write --json; exit code."""
+    """Run, print the report (each size's table as soon as it is done) and write --json; exit code.
+    ``--memory`` runs :func:`~qconf.bench.memory_cli.execute_memory` instead."""
+    try:
+        check_mode(opts)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if opts.memory:
+        return execute_memory(opts, prog)
+    opts.device = opts.device or "cpu"
     if opts.cuda_static:
         return cuda_static.run_cli(opts, prog, sorted(Path(opts.configs or default_config_dir()).glob("*.yml")))
     if opts.list:
@@ -195,8 +234,10 @@ def execute(opts: argparse.Namespace, prog: str) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python benchmarks/bench_step.py") -> int:
-    """``benchmarks/bench_step.py``: parse ``argv`` and :func:`execute`; returns the exit code."""
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+def main(argv: Sequence[str] | None = None, prog: str = "python benchmarks/bench_step.py",
+         description: str = DESCRIPTION) -> int:
+    """``benchmarks/bench_step.py`` (and ``bench_memory.py``, which passes ``--memory`` first): parse
+    ``argv`` and :func:`execute`; returns the exit code."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     return execute(parser.parse_args(argv), prog)

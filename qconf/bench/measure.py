@@ -304,7 +304,7 @@ def _contention(start: tuple[int, int, int, float] | None) -> dict[str, float] |
     return {"other_pct": 100.0 * other / total, "steal_pct": 100.0 * (end[2] - start[2]) / total}
 
 
-def _version(module: str) -> str | None:
+def package_version(module: str) -> str | None:
     if importlib.util.find_spec(module) is None:
         return None
     try:
@@ -335,5 +335,5 @@ def machine_info(threads: int) -> dict[str, Any]:
             isa = f"unavailable ({one_line(e)})"
     return {"cpu": cpu, "cpus": os.cpu_count(), "qconf_isa": isa,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
-            "torch": torch.__version__, "qconf": __version__, "torchao": _version("torchao"),
-            "bitsandbytes": _version("bitsandbytes"), "python": platform.python_version()}
+            "torch": torch.__version__, "qconf": __version__, "torchao": package_version("torchao"),
+            "bitsandbytes": package_version("bitsandbytes"), "python": platform.python_version()}

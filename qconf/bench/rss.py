@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ _CHILD_MARK = "@@qconf-bench-rss@@ "
 _CHILD_CODE = "import sys, qconf.bench.rss as r; sys.exit(r.child_main(sys.argv[1]))"
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -44,7 +44,7 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _malloc_trim() -> bool:
+def malloc_trim() -> bool:
     """glibc ``malloc_trim(0)``: give free heap pages (also those between live chunks) back to the OS."""
     try:
         import ctypes
@@ -55,7 +55,7 @@ def _malloc_trim() -> bool:
         return False
 
 
-def _reset_hwm() -> bool:
+def reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -64,24 +64,24 @@ def _reset_hwm() -> bool:
         return False
 
 
-def _sampled_peak_kb(opt: Any, steps: int, base_kb: int) -> int:
-    """Run ``steps`` steps while a thread samples VmRSS every 0.5 ms; the highest sample (kB, at least
-    ``base_kb``)."""
+def sampled_peak_kb(step: Callable[[], Any], steps: int, base_kb: int) -> int:
+    """Run ``step()`` ``steps`` times while a thread samples VmRSS every 0.5 ms; the highest sample
+    (kB, at least ``base_kb``)."""
     peak = [base_kb]
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _status_kb("VmRSS"))
+            peak[0] = max(peak[0], status_kb("VmRSS"))
             time.sleep(0.0005)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     for _ in range(steps):
-        opt.step()
+        step()
     done.set()
     thread.join()
-    return max(peak[0], _status_kb("VmRSS"))
+    return max(peak[0], status_kb("VmRSS"))
 
 
 def child_main(spec_json: str) -> int:
@@ -97,17 +97,17 @@ def child_main(spec_json: str) -> int:
     for _ in range(spec["warmup"]):
         opt.step()
     gc.collect()
-    trimmed = _malloc_trim()
-    if _reset_hwm():
+    trimmed = malloc_trim()
+    if reset_hwm():
         method = "clear_refs"
-        base_kb = _status_kb("VmRSS")
+        base_kb = status_kb("VmRSS")
         for _ in range(spec["steps"]):
             opt.step()
-        peak_kb = _status_kb("VmHWM")
+        peak_kb = status_kb("VmHWM")
     else:  # sample VmRSS from a thread while the steps run (may miss short peaks)
         method = "sampling"
-        base_kb = _status_kb("VmRSS")
-        peak_kb = _sampled_peak_kb(opt, spec["steps"], base_kb)
+        base_kb = status_kb("VmRSS")
+        peak_kb = sampled_peak_kb(opt.step, spec["steps"], base_kb)
     extra = max(peak_kb - base_kb, 0) * 1024
     out = {"method": method, "baseline_bytes": base_kb * 1024, "peak_bytes": peak_kb * 1024,
            "extra_bytes": extra, "param_bytes": param_bytes, "pct_of_param_bytes": 100.0 * extra / param_bytes,

@@ -132,19 +132,25 @@ def format_size(res: dict[str, Any]) -> str:
     return "\n".join(out + _size_footnotes(res, slow, methods))
 
 
-def format_header(result: dict[str, Any]) -> str:
-    """The lines above the tables: date, machine, versions, the explicit command."""
-    m = result["machine"]
-    ext = ", ".join(f"{k} {m[k] or 'not installed'}" for k in ("torchao", "bitsandbytes"))
-    lines = [f"qconf optimizer-step benchmark, {result['date']}",
-             f"machine: {m['cpu']} ({m['cpus']} CPUs), qconf ISA {m['qconf_isa']} "
+def format_machine(m: dict[str, Any], packages: tuple[str, ...] = ("torchao", "bitsandbytes")) -> list[str]:
+    """The ``machine:`` line (CPU, qconf ISA, threads, versions of torch, qconf and ``packages``)
+    and, when ``m["gpu"]`` is set, the ``device:`` line without its kernel note."""
+    ext = ", ".join(f"{k} {m.get(k) or 'not installed'}" for k in packages)
+    lines = [f"machine: {m['cpu']} ({m['cpus']} CPUs), qconf ISA {m['qconf_isa']} "
              f"(torch capability {m['torch_cpu_capability']}), threads {m['threads']}; torch {m['torch']}, "
              f"qconf {m['qconf']}, {ext}, Python {m['python']}"]
     gpu = m.get("gpu")
     if gpu is not None:
         lines.append(f"device: {gpu['name']} ({gpu['capability']}, {gpu['memory_gib']:.1f} GiB); torch {m['torch']}, "
-                     f"CUDA {gpu['cuda']}; qconf CUDA kernels {'built' if gpu['qconf_cuda_kernels'] else 'NOT built'}; "
-                     "qconf rows run QCONF_CUDA_KERNELS=generic, '(specialized)' rows =specialized")
+                     f"CUDA {gpu['cuda']}; qconf CUDA kernels {'built' if gpu['qconf_cuda_kernels'] else 'NOT built'}")
+    return lines
+
+
+def format_header(result: dict[str, Any]) -> str:
+    """The lines above the tables: date, machine, versions, the explicit command."""
+    lines = [f"qconf optimizer-step benchmark, {result['date']}"] + format_machine(result["machine"])
+    if len(lines) > 2:
+        lines[2] += "; qconf rows run QCONF_CUDA_KERNELS=generic, '(specialized)' rows =specialized"
     lines.append(f"command: {result['command']}")
     if result["settings"]["min_numel"] is not None:
         lines.append(f"qconf configs with min_numel overridden to {result['settings']['min_numel']}")

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..nn.transformer import PreLNBlock
 from .task import Task
 
 #: The corpus: module names of pure-Python standard-library modules present in every CPython >= 3.10
@@ -89,26 +90,6 @@ def unigram_loss(stdlib: str | None = None) -> float:
     return -logp[held.long()].mean().item()
 
 
-class _Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.ln_1 = nn.LayerNorm(d_model)
-        self.attn_in = nn.Linear(d_model, 3 * d_model)
-        self.attn_out = nn.Linear(d_model, d_model)
-        self.ln_2 = nn.LayerNorm(d_model)
-        self.mlp_in = nn.Linear(d_model, 4 * d_model)
-        self.mlp_out = nn.Linear(4 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.attn_in(self.ln_1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.attn_out(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp_out(F.gelu(self.mlp_in(self.ln_2(x))))
-
-
 class TinyGPT(nn.Module):
     """A GPT-2-style byte-level language model (logits over 256 bytes for every position)."""
 
@@ -117,7 +98,7 @@ class TinyGPT(nn.Module):
         self.context = context
         self.wte = nn.Embedding(VOCAB, d_model)
         self.wpe = nn.Embedding(context, d_model)
-        self.blocks = nn.ModuleList(_Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(PreLNBlock(d_model, n_heads) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB, bias=False)
         # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers), zero biases

@@ -1,0 +1,122 @@
+"""``qconf bench --memory``'s options, checks and entry point: :func:`add_memory_arguments` (the
+option group, added to ``qconf bench``'s parser by :func:`qconf.bench.cli.add_arguments`), the
+explicit command that repeats a run, and :func:`execute_memory` (progress on stderr, one table per
+device as it finishes, ``--json``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from .device import cuda_unavailable_reason
+from .memory import DEVICES, memory_rows, run_memory, unavailable
+from .memory_tables import format_memory_device, format_memory_footer, format_memory_header
+from .model import MODEL_PRESETS
+
+#: the script's --help description (``benchmarks/bench_memory.py``)
+MEMORY_DESCRIPTION = ("Training-memory benchmark: peak bytes/param of training a 105M-parameter GPT-style "
+                      "transformer with torch AdamW, qconf 4-bit / 8-bit (with and without gradient release), "
+                      "torchao, bitsandbytes and flashoptim.")
+#: the --memory-model values --help lists (``tiny``, about 1M params, is accepted too, for tests)
+MODEL_CHOICES = ("base", "base-32k")
+#: the options (argparse dests) a --memory run takes; every other one is the step timing's
+MEMORY_DESTS = frozenset({"memory", "memory_model", "memory_steps", "memory_warmup", "device", "threads", "seed",
+                          "contenders", "list", "json", "quiet", "rss_timeout"})
+#: the options that mean nothing without --memory
+MEMORY_ONLY = ("memory_model", "memory_steps", "memory_warmup")
+
+
+def model_choice(text: str) -> str:
+    """``--memory-model`` value: one of :data:`MODEL_CHOICES` (or the unadvertised ``tiny``)."""
+    if text in MODEL_PRESETS:
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(MODEL_CHOICES)})")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--memory`` option group."""
+    base, big = MODEL_PRESETS["base"], MODEL_PRESETS["base-32k"]
+    g = p.add_argument_group(
+        "training memory (--memory)",
+        "Instead of timing one optimizer step: train a GPT-style transformer for a few steps with each optimizer "
+        "(torch AdamW fused fp32 / bf16; qconf default.yml fp32, bf16 + stochastic rounding, each also with gradient "
+        "release; qconf 8bit.yml; torchao, bitsandbytes, flashoptim where installed), every row in a fresh child "
+        "process, and print peak bytes/param split into params, grads, optimizer states and other (activations, "
+        "workspace), ms/step and the final loss. Besides these options --memory takes --device (default: cpu and "
+        "cuda; CUDA rows say 'no CUDA' without a GPU), --threads, --seed (initial weights and tokens), --contenders "
+        "(row keys; --memory --list shows them), --json and --quiet; the step-timing options above are refused.")
+    g.add_argument("--memory", action="store_true", help="run the training-memory benchmark (see above)")
+    g.add_argument("--memory-model", type=model_choice, default="base", metavar="{" + ",".join(MODEL_CHOICES) + "}",
+                   help=f"the model: base = {base.describe()}, {base.numel:,} params (default); base-32k = "
+                        f"{big.describe()}, {big.numel:,} params (its embedding and LM head are "
+                        f"{100 * big.vocab * big.d_model / big.numel:.0f}%% of it each, and bound gradient release's grads)")
+    g.add_argument("--memory-steps", type=int, default=3, metavar="N",
+                   help="measured training steps per row: peak memory, ms/step (default 3)")
+    g.add_argument("--memory-warmup", type=int, default=1, metavar="N",
+                   help="training steps per row before the measured ones (default 1)")
+
+
+def memory_command(prog: str, opts: argparse.Namespace) -> str:
+    """The --memory command with every option explicit (reproduces the run)."""
+    argv = ["--memory"] + (["--device", opts.device] if opts.device else [])
+    argv += ["--memory-model", opts.memory_model, "--memory-warmup", str(opts.memory_warmup), "--memory-steps",
+             str(opts.memory_steps), "--threads", str(opts.threads), "--seed", str(opts.seed)]
+    if opts.contenders:
+        argv += ["--contenders", ",".join(opts.contenders)]
+    if opts.json:
+        argv += ["--json", opts.json]
+    return f"{prog} {shlex.join(argv)}"
+
+
+def check_memory(opts: argparse.Namespace) -> None:
+    """ValueError (one line) on counts below 1, ``--device cuda`` without CUDA and a ``--json`` file
+    that cannot be written."""
+    for name in ("memory_steps", "memory_warmup", "threads"):
+        if getattr(opts, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if opts.device == "cuda" and cuda_unavailable_reason() is not None:
+        raise ValueError(cuda_unavailable_reason())
+    if opts.json:
+        parent = Path(opts.json).expanduser().resolve().parent
+        if Path(opts.json).is_dir() or not parent.is_dir():
+            raise ValueError(f"--json {opts.json!r}: not a file in an existing directory")
+
+
+def list_rows(opts: argparse.Namespace) -> int:
+    """``--memory --list``: one line per row and device (key, name, why it cannot run here)."""
+    for device in [opts.device] if opts.device else DEVICES:
+        for row in memory_rows(device):
+            why = unavailable(row, device)
+            print(f"{device:4s} {row.key:32s} {row.name}{f'  ({why})' if why else ''}")
+    return 0
+
+
+def execute_memory(opts: argparse.Namespace, prog: str) -> int:
+    """Run ``--memory``: print the header, each device's table as it finishes and the footer;
+    write ``--json``. The exit code (2: bad options, one line on stderr; 1: the JSON file could
+    not be written)."""
+    if opts.list:
+        return list_rows(opts)
+
+    def show(event: str, result: dict[str, Any]) -> None:
+        text = format_memory_header(result) if event == "start" else format_memory_device(result, event)
+        print(text + "\n", flush=True)
+
+    try:
+        check_memory(opts)
+        result = run_memory(opts, memory_command(prog, opts), show)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(format_memory_footer(result), flush=True)
+    if opts.json:
+        try:
+            Path(opts.json).expanduser().write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as e:
+            print(f"{prog}: error: --json {opts.json!r}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    return 0

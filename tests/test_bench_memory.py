@@ -1,0 +1,187 @@
+"""The training-memory benchmark (``qconf bench --memory``, qconf.bench.memory) on the ~1M-parameter
+``tiny`` model with 1 warm-up + 2 measured steps.
+
+One run of ``benchmarks/bench_memory.py`` (five rows, each in its own child process) is shared by
+the tests below. Timings are never checked; what is checked holds on any machine: every row has
+the JSON fields, the attribution adds up, a gradient-release row keeps far fewer gradient bytes
+than its normal counterpart and reaches the very same loss, bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qconf.bench import memory
+from qconf.bench.model import GPT, MODEL_PRESETS
+from qconf.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+ROWS = "torch-fused,qconf-default-*"  # the normal and gradient-release qconf rows, torch's fp32 baseline
+STATUSES = ("ok", "not installed", "no CUDA", "error")
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[dict, str]:
+    """``(JSON result, printed output)`` of the tiny run through the script twin."""
+    out = tmp_path_factory.mktemp("memory") / "memory.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--memory-model", "tiny",
+                           "--memory-steps", "2", "--contenders", ROWS, "--json", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _rows(result: dict, device: str = "cpu") -> dict[str, dict]:
+    return {r["key"]: r for r in result["rows"] if r["device"] == device}
+
+
+def _tiny_param_bytes() -> list[int]:
+    """numel of each parameter of the tiny model (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return [p.numel() for p in GPT(MODEL_PRESETS["tiny"]).parameters()]
+
+
+def test_every_row_has_the_json_fields(tiny_run):
+    result, _ = tiny_run
+    assert result["benchmark"] == "memory" and result["settings"]["numel"] == MODEL_PRESETS["tiny"].numel
+    assert set(result["settings"]["attribution"]) == set(memory.FIELDS)
+    keys = [r.key for r in memory.select_rows(memory.memory_rows("cpu"), ROWS.split(","))]
+    assert list(_rows(result)) == keys and len(keys) == 5
+    for r in result["rows"]:
+        assert {"name", "status", "device", "b_per_param", "step_ms", "final_loss"} <= set(r)
+        assert r["status"] in STATUSES and r["device"] in ("cpu", "cuda")
+        assert list(r["b_per_param"]) == list(memory.FIELDS)
+        assert ("gradient release" in r["name"]) == r["gradient_release"]
+    for r in _rows(result).values():
+        assert r["status"] == "ok", r
+        assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]) and len(r["losses"]) == 3
+    if not HAS_CUDA:
+        assert {r["status"] for r in _rows(result, "cuda").values()} == {"no CUDA"}
+
+
+def test_the_attribution_adds_up(tiny_run):
+    result, _ = tiny_run
+    numel = result["settings"]["numel"]
+    for r in _rows(result).values():
+        b, per = r["bytes"], r["b_per_param"]
+        assert b["params_grads_states"] == b["params"] + b["grads"] + b["states"]
+        assert b["other"] == b["peak"] - b["params_grads_states"]
+        assert per["params_grads_states"] == per["params"] + per["grads"] + per["states"]
+        assert all(per[k] == pytest.approx(b[k] / numel, rel=1e-12) for k in memory.FIELDS)
+        assert b["peak"] >= b["params"] + b["states"]  # both are resident through the measured steps
+        assert b["params"] == numel * (2 if r["dtype"] == "bfloat16" else 4)
+
+
+def test_gradient_release_keeps_one_gradient_and_the_same_loss(tiny_run):
+    result, _ = tiny_run
+    rows = _rows(result)
+    largest = max(_tiny_param_bytes())
+    released = [r for r in rows.values() if r["gradient_release"]]
+    assert len(released) == 2
+    for r in released:
+        normal = rows[r["counterpart"]]
+        size = 2 if r["dtype"] == "bfloat16" else 4
+        assert normal["bytes"]["grads"] == normal["bytes"]["params"]  # every gradient at the step
+        assert r["bytes"]["grads"] == largest * size  # one parameter's at a time
+        assert r["b_per_param"]["grads"] < 0.5 * normal["b_per_param"]["grads"]
+        assert r["bytes"]["states"] == normal["bytes"]["states"]
+        assert r["losses"] == normal["losses"] and r["final_loss"] == normal["final_loss"]  # bit for bit
+        assert r["loss_matches_counterpart"] is True and r["counterpart_final_loss"] == normal["final_loss"]
+        assert r["step_time_ratio"] == r["step_ms"] / normal["step_ms"]
+
+
+def test_qconf_states_are_below_torch_fp32(tiny_run):
+    rows = _rows(tiny_run[0])
+    assert rows["qconf-default-fp32"]["bytes"]["states"] < 0.25 * rows["torch-fused"]["bytes"]["states"]
+    assert rows["torch-fused"]["bytes"]["states"] == 2 * rows["torch-fused"]["bytes"]["params"]  # exp_avg, exp_avg_sq
+
+
+def test_the_printed_report(tiny_run):
+    result, out = tiny_run
+    assert out.startswith("qconf training-memory benchmark, ")
+    assert "\ncommand: python benchmarks/bench_memory.py --memory --memory-model tiny " in out
+    lines = out.splitlines()
+    head = lines.index(next(ln for ln in lines if ln.startswith("== cpu: ")))
+    header = lines[head + 1]
+    assert header.split() == ["row", "params", "grads", "states", "other", "p+g+s", "peak", "peak", "MiB", "ms/step",
+                              "final", "loss", "note"]
+    body = lines[head + 3: head + 3 + 5]
+    assert [ln.split("  ")[0] for ln in body] == [r["name"] for r in _rows(result).values()]
+    assert sum("bit for bit" in ln for ln in body) == 2
+    assert "other = peak - (params + grads + states)" in out
+    if not HAS_CUDA:
+        assert "== cuda: " in out and out.count("no CUDA") >= 5
+
+
+def test_rows_that_cannot_run_keep_the_fields(monkeypatch):
+    row = memory.MemoryRow("x", "an optimizer from a missing package fp32", torch.float32, lambda m: None,
+                           requires="qconf_no_such_package")
+    assert memory.unavailable(row, "cpu") == "not installed"
+    r = memory.row_result(row, "cpu", None, "not installed")
+    assert r["status"] == "not installed" and r["error"] == "qconf_no_such_package is not installed"
+    assert r["b_per_param"] == dict.fromkeys(memory.FIELDS) and r["final_loss"] is None and r["step_ms"] is None
+    monkeypatch.setattr(memory.torch.cuda, "is_available", lambda: False)
+    assert memory.unavailable(memory.memory_rows("cuda")[0], "cuda") == "no CUDA"
+    failed = memory.row_result(row, "cpu", {"error": "RuntimeError: boom"}, None)
+    assert failed["status"] == "error" and failed["error"] == "RuntimeError: boom"
+
+
+def test_the_model_presets():
+    base, big = MODEL_PRESETS["base"], MODEL_PRESETS["base-32k"]
+    assert base.numel == 104_825_088 >= 100_000_000 and big.numel == 134_306_304
+    assert sum(_tiny_param_bytes()) == MODEL_PRESETS["tiny"].numel < 1_100_000
+    for cfg in (base, big):
+        with torch.device("meta"):
+            numels = [p.numel() for p in GPT(cfg).parameters()]
+        assert sum(numels) == cfg.numel
+        assert max(numels) == cfg.vocab * cfg.d_model  # the embedding (and the LM head) is the largest tensor
+    assert 0.05 < base.vocab * base.d_model / base.numel < 0.07  # what gradient release's grads column shows
+
+
+def test_rosters():
+    cpu, cuda = memory.memory_rows("cpu"), memory.memory_rows("cuda")
+    assert [r.key for r in cpu] == [r.key for r in cuda if not r.cuda_only]
+    assert [r.key for r in cuda if r.cuda_only] == ["flashoptim-adamw"]
+    assert {"torchao-adamw4bit", "torchao-adamw8bit", "bnb-adamw8bit"} <= {r.key for r in cpu}
+    for r in cpu:
+        if r.release:
+            twin = next(c for c in cpu if c.key == r.counterpart)
+            assert r.name == f"{twin.name}, gradient release" and r.dtype == twin.dtype
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "5"], "--rounds: not an option of --memory"),
+    (["--size", "big", "--no-rss"], "--size, --no-rss: not an option of --memory"),
+    (["--memory-steps", "0"], "--memory-steps must be >= 1"),
+    (["--memory-warmup", "0"], "--memory-warmup must be >= 1"),
+    (["--contenders", "nope-*"], "--contenders: 'nope-*' match no --memory row"),
+    (["--json", "/no/such/dir/out.json"], "--json '/no/such/dir/out.json': not a file in an existing directory"),
+])
+def test_usage_errors_are_one_line(capsys, argv, message):
+    assert cli_main(["bench", "--memory", "--memory-model", "tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"qconf bench: error: {message}") and "\n" not in err
+
+
+def test_memory_options_need_memory(capsys):
+    assert cli_main(["bench", "--memory-steps", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "qconf bench: error: --memory-steps needs --memory"
+    assert cli_main(["bench", "--memory", "--memory-model", "huge"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("qconf bench: error: argument --memory-model: invalid "
+                                                        "choice: 'huge' (choose from base, base-32k)")
+
+
+def test_help_and_list(capsys):
+    assert cli_main(["bench", "--memory", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "training memory (--memory):" in out and "--memory-model {base,base-32k}" in out and "tiny" not in out
+    assert cli_main(["bench", "--memory", "--list", "--device", "cpu"]) == 0
+    listed = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()]
+    assert listed == [r.key for r in memory.memory_rows("cpu")]
