@@ -48,8 +48,6 @@ import gc
 import importlib
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import warnings
 from typing import Any, Callable, Sequence
@@ -63,7 +61,7 @@ from .device import Backend, cuda_info, make_backend
 from .measure import package_version, machine_info, one_line
 from .model import MODEL_PRESETS, GPT, build_model, random_batches
 from .roster import LR, WEIGHT_DECAY, contenders, matches
-from .rss import CHILD_MALLOC_ENV, malloc_trim, reset_hwm, sampled_peak_kb, status_kb
+from .rss import CHILD_MALLOC_ENV, malloc_trim, run_child, reset_hwm, sampled_peak_kb, status_kb
 from .tensors import state_bytes
 
 #: the devices a memory run covers when ``--device`` is not given
@@ -295,17 +293,7 @@ def measure_row(row: MemoryRow, device: str, opts: argparse.Namespace) -> dict[s
     ``{"error": ...}`` when it fails."""
     spec = {"key": row.key, "device": device, "model": opts.memory_model, "seed": opts.seed,
             "threads": opts.threads, "warmup": opts.memory_warmup, "steps": opts.memory_steps}
-    env = dict(os.environ, **CHILD_MALLOC_ENV)
-    try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(spec)], capture_output=True, text=True,
-                              env=env, timeout=opts.rss_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {opts.rss_timeout:g} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_CHILD_MARK):
-            return json.loads(line[len(_CHILD_MARK):])
-    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    return {"error": f"exit {proc.returncode}: {tail[-1] if tail else 'no output'}"}
+    return run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
 
 
 def unavailable(row: MemoryRow, device: str) -> str | None:

@@ -1,9 +1,8 @@
 """The training-memory benchmark's model (``qconf bench --memory``): a GPT-style decoder-only
 transformer trained on random tokens.
 
-Token + learned position embeddings, ``layers`` pre-LN blocks (LayerNorm -> causal self-attention
-through :func:`torch.nn.functional.scaled_dot_product_attention` -> residual; LayerNorm -> MLP
-``d -> 4d -> d`` with GELU -> residual), a final LayerNorm and an untied LM head without bias.
+Token + learned position embeddings, ``layers`` pre-LN blocks (:class:`qconf.nn.transformer.PreLNBlock`:
+LayerNorm -> causal self-attention -> residual; LayerNorm -> MLP ``d -> 4d -> d`` with GELU -> residual), a final LayerNorm and an untied LM head without bias.
 The ``base`` preset (d_model 768, 13 layers, 12 heads, vocab 8192, context 128) has 104,825,088
 parameters; its largest tensors, the embedding and the LM head, are 6.0% of them each (Llama-3-8B's
 embedding: 6.5%), which is what bounds the gradient bytes of gradient release. ``base-32k`` is
@@ -24,6 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..nn.transformer import PreLNBlock
 
 #: the initialization's standard deviation of every weight matrix and embedding (GPT-2's)
 INIT_STD = 0.02
@@ -67,32 +68,6 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class Block(nn.Module):
-    """One pre-LN transformer block on ``(batch, seq, d_model)`` activations."""
-
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        d = cfg.d_model
-        self.heads = cfg.heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.fc_out = nn.Linear(4 * d, d)
-
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal multi-head self-attention: ``(B, T, d)`` -> ``(B, T, d)``."""
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.ln1(x))
-        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
-
-
 class GPT(nn.Module):
     """Decoder-only transformer: token ids ``(B, T)`` int64 -> logits ``(B, T, vocab)`` in the
     parameters' dtype."""
@@ -102,7 +77,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(PreLNBlock(cfg.d_model, cfg.heads) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 

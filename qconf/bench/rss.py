@@ -120,14 +120,20 @@ def measure_rss(c: Contender, shapes: Sequence[tuple[int, ...]], opts: argparse.
     """Run :func:`child_main` for ``c`` in a fresh interpreter; ``{"error": ...}`` when it fails."""
     spec = {"key": c.key, "shapes": [list(s) for s in shapes], "seed": opts.seed, "threads": opts.threads,
             "warmup": 3, "steps": opts.rss_steps, "config_dir": str(opts.configs), "min_numel": opts.min_numel}
+    return run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
+
+
+def run_child(code: str, mark: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run ``python -c code json(spec)`` with :data:`CHILD_MALLOC_ENV`; the JSON object the child
+    printed after ``mark``, or ``{"error": ...}`` (timeout, crash, no result line)."""
     env = dict(os.environ, **CHILD_MALLOC_ENV)
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(spec)], capture_output=True, text=True,
-                              env=env, timeout=opts.rss_timeout)
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
+                              env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {opts.rss_timeout} s"}
+        return {"error": f"timed out after {timeout:g} s"}
     for line in proc.stdout.splitlines():
-        if line.startswith(_CHILD_MARK):
-            return json.loads(line[len(_CHILD_MARK):])
+        if line.startswith(mark):
+            return json.loads(line[len(mark):])
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     return {"error": f"exit {proc.returncode}: {tail[-1] if tail else 'no output'}"}
