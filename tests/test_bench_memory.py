@@ -1,7 +1,8 @@
 """The training-memory benchmark (``qconf bench --memory``, qconf.bench.memory) on the ~1M-parameter
 ``tiny`` model with 1 warm-up + 2 measured steps.
 
-One run of ``benchmarks/bench_memory.py`` (five rows, each in its own child process) is shared by
+One run of ``benchmarks/bench_memory.py`` (five rows, each in its own two child processes: memory,
+timing) is shared by
 the tests below. Timings are never checked; what is checked holds on any machine: every row has
 the JSON fields, the attribution adds up, a gradient-release row keeps far fewer gradient bytes
 than its normal counterpart and reaches the very same loss, bit for bit.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qconf.bench import memory
+from qconf.bench import memory, memory_tables
 from qconf.bench.model import GPT, MODEL_PRESETS
 from qconf.cli import main as cli_main
 
@@ -32,7 +34,7 @@ def tiny_run(tmp_path_factory) -> tuple[dict, str]:
     """``(JSON result, printed output)`` of the tiny run through the script twin."""
     out = tmp_path_factory.mktemp("memory") / "memory.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--memory-model", "tiny",
-                           "--memory-steps", "2", "--contenders", ROWS, "--json", str(out), "--quiet"],
+                           "--memory-warmup", "1", "--memory-steps", "2", "--contenders", ROWS, "--json", str(out), "--quiet"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text()), proc.stdout
@@ -62,6 +64,8 @@ def test_every_row_has_the_json_fields(tiny_run):
     for r in _rows(result).values():
         assert r["status"] == "ok", r
         assert r["step_ms"] > 0 and math.isfinite(r["final_loss"]) and len(r["losses"]) == 3
+        assert len(r["step_ms_each"]) == 2 and r["step_ms"] == statistics.median(r["step_ms_each"])
+        assert r["timing_losses_match"] is True  # the timing child (default allocator) trained the same steps
     if not HAS_CUDA:
         assert {r["status"] for r in _rows(result, "cuda").values()} == {"no CUDA"}
 
@@ -131,6 +135,12 @@ def test_rows_that_cannot_run_keep_the_fields(monkeypatch):
     assert memory.unavailable(memory.memory_rows("cuda")[0], "cuda") == "no CUDA"
     failed = memory.row_result(row, "cpu", {"error": "RuntimeError: boom"}, None)
     assert failed["status"] == "error" and failed["error"] == "RuntimeError: boom"
+
+
+def test_a_timing_run_that_trained_other_steps_is_flagged(tiny_run):
+    result, _ = tiny_run
+    r = dict(_rows(result)["torch-fused"], timing_losses_match=False)
+    assert memory_tables._note(r, {}) == "the timing run's losses differ from the memory run's"
 
 
 def test_the_model_presets():

@@ -34,9 +34,11 @@ parameter count:
 - ``params_grads_states`` = params + grads + states; ``other`` = peak - params_grads_states
   (activations, autograd and kernel workspace, the allocator's and runtime's own memory).
 
-``step_ms`` is the mean wall time of the measured steps (forward + backward + optimizer step +
-``zero_grad``; ``synchronize`` before and after each on CUDA); ``final_loss`` the last measured
-step's loss. A gradient-release row names its normal counterpart; ``loss_matches_counterpart`` says
+``step_ms`` is the median wall time of the measured steps (forward + backward + optimizer step +
+``zero_grad``; ``synchronize`` before and after each on CUDA). On the CPU it comes from a second
+child that trains the same steps under glibc's default allocator (:func:`measure_row`: the memory
+child's allocator settings, which make RSS follow the live bytes, cost a page fault per fresh
+allocation and would slow every row); ``final_loss`` is the last measured step's loss. A gradient-release row names its normal counterpart; ``loss_matches_counterpart`` says
 whether their final losses are equal bit for bit.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ import gc
 import importlib
 import importlib.util
 import json
+import statistics
 import sys
 import warnings
 from typing import Any, Callable, Sequence
@@ -267,6 +270,9 @@ def measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
             times.append(ms)
             losses.append(loss)
 
+    if spec["phase"] == "time":
+        run()
+        return {"step_ms_each": times, "losses": losses}
     peak, method = _peak_bytes(backend, run)
     return {"numel": sum(p.numel() for p in model.parameters()),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -289,11 +295,21 @@ def child_main(spec_json: str) -> int:
 
 # -- the parent ------------------------------------------------------------------------------------------
 def measure_row(row: MemoryRow, device: str, opts: argparse.Namespace) -> dict[str, Any]:
-    """Run :func:`child_main` for ``row`` on ``device`` in a fresh interpreter; its raw result, or
-    ``{"error": ...}`` when it fails."""
+    """Run :func:`child_main` for ``row`` on ``device`` in fresh interpreters; the raw result, or
+    ``{"error": ...}`` when it fails. On the CPU two children train the same steps: the memory one
+    under :data:`~qconf.bench.rss.CHILD_MALLOC_ENV` (freed memory goes back to the OS at once, so
+    RSS follows the live bytes, at the price of a page fault per fresh allocation) and the timing
+    one under glibc's default allocator, as users train (``step_ms_each`` comes from it;
+    ``timing_losses_match`` says whether its losses equal the memory child's bit for bit)."""
     spec = {"key": row.key, "device": device, "model": opts.memory_model, "seed": opts.seed,
-            "threads": opts.threads, "warmup": opts.memory_warmup, "steps": opts.memory_steps}
-    return run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
+            "threads": opts.threads, "warmup": opts.memory_warmup, "steps": opts.memory_steps, "phase": "memory"}
+    raw = run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
+    if "error" in raw or device != "cpu":
+        return raw
+    timed = run_child(_CHILD_CODE, _CHILD_MARK, {**spec, "phase": "time"}, opts.rss_timeout, malloc_env=False)
+    if "error" in timed:
+        return {"error": f"timing run: {timed['error']}"}
+    return {**raw, "step_ms_each": timed["step_ms_each"], "timing_losses_match": timed["losses"] == raw["losses"]}
 
 
 def unavailable(row: MemoryRow, device: str) -> str | None:
@@ -324,7 +340,8 @@ def row_result(row: MemoryRow, device: str, raw: dict[str, Any] | None, status: 
                          "dtype": str(row.dtype).removeprefix("torch."), "family": row.family,
                          "gradient_release": row.release, "counterpart": row.counterpart, "status": "ok",
                          "error": None, "bytes": dict.fromkeys(FIELDS), "b_per_param": dict.fromkeys(FIELDS),
-                         "step_ms": None, "final_loss": None, "loss_matches_counterpart": None}
+                         "step_ms": None, "final_loss": None, "loss_matches_counterpart": None,
+                         "timing_losses_match": None}
     if status is not None:
         requires = row.requires if status == "not installed" else None
         return {**r, "status": status, "error": f"{requires} is not installed" if requires else status}
@@ -333,8 +350,8 @@ def row_result(row: MemoryRow, device: str, raw: dict[str, Any] | None, status: 
     total, per = attribute(raw)
     times = raw["step_ms_each"]
     return {**r, "bytes": total, "b_per_param": per, "numel": raw["numel"], "method": raw["method"],
-            "baseline_bytes": raw["baseline_bytes"], "step_ms": sum(times) / len(times), "step_ms_each": times,
-            "losses": raw["losses"], "final_loss": raw["losses"][-1]}
+            "baseline_bytes": raw["baseline_bytes"], "step_ms": statistics.median(times), "step_ms_each": times,
+            "losses": raw["losses"], "final_loss": raw["losses"][-1], "timing_losses_match": raw.get("timing_losses_match")}
 
 
 def compare_release(rows: list[dict[str, Any]]) -> None:

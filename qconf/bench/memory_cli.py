@@ -54,10 +54,11 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the model: base = {base.describe()}, {base.numel:,} params (default); base-32k = "
                         f"{big.describe()}, {big.numel:,} params (its embedding and LM head are "
                         f"{100 * big.vocab * big.d_model / big.numel:.0f}%% of it each, and bound gradient release's grads)")
-    g.add_argument("--memory-steps", type=int, default=3, metavar="N",
-                   help="measured training steps per row: peak memory, ms/step (default 3)")
-    g.add_argument("--memory-warmup", type=int, default=1, metavar="N",
-                   help="training steps per row before the measured ones (default 1)")
+    g.add_argument("--memory-steps", type=int, default=8, metavar="N",
+                   help="measured training steps per row: peak memory, median ms/step (default 8)")
+    g.add_argument("--memory-warmup", type=int, default=2, metavar="N",
+                   help="training steps per row before the measured ones (default 2: the first creates the "
+                        "optimizer states, the second builds the fused step's cached plans)")
 
 
 def memory_command(prog: str, opts: argparse.Namespace) -> str:

@@ -39,6 +39,8 @@ def _note(r: dict[str, Any], names: dict[str, str]) -> str:
     normal counterpart's."""
     if r["status"] != "ok":
         return r["error"] if r["status"] == "error" else r["status"]
+    if r["timing_losses_match"] is False:
+        return "the timing run's losses differ from the memory run's"
     match = r.get("loss_matches_counterpart")
     if match is None:
         return ""
@@ -81,7 +83,8 @@ def format_memory_footer(result: dict[str, Any]) -> str:
         "other = peak - (params + grads + states): activations, workspace, allocator and runtime. With gradient "
         "release the peak moves from the optimizer step (every gradient alive) to the start of backward (every "
         "activation alive): its other is larger, its peak smaller.",
-        f"ms/step = mean of forward + backward + optimizer step + zero_grad over the measured steps. final loss = the "
+        f"ms/step = median of forward + backward + optimizer step + zero_grad over the measured steps (on the CPU in "
+        f"a second child process with the default allocator). final loss = the "
         f"last measured step's; random tokens keep it near ln(vocab) = {uniform_loss(cfg):.4f}.",
     ])
 

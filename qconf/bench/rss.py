@@ -123,10 +123,11 @@ def measure_rss(c: Contender, shapes: Sequence[tuple[int, ...]], opts: argparse.
     return run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
 
 
-def run_child(code: str, mark: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run ``python -c code json(spec)`` with :data:`CHILD_MALLOC_ENV`; the JSON object the child
-    printed after ``mark``, or ``{"error": ...}`` (timeout, crash, no result line)."""
-    env = dict(os.environ, **CHILD_MALLOC_ENV)
+def run_child(code: str, mark: str, spec: dict[str, Any], timeout: float, malloc_env: bool = True) -> dict[str, Any]:
+    """Run ``python -c code json(spec)`` (with :data:`CHILD_MALLOC_ENV` when ``malloc_env``, else
+    with glibc's default allocator settings); the JSON object the child printed after ``mark``, or
+    ``{"error": ...}`` (timeout, crash, no result line)."""
+    env = dict(os.environ, **(CHILD_MALLOC_ENV if malloc_env else {}))
     try:
         proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
                               env=env, timeout=timeout)
