@@ -1,7 +1,7 @@
 """The training-memory benchmark (``qconf bench --memory``, qconf.bench.memory) on the ~1M-parameter
 ``tiny`` model with 1 warm-up + 2 measured steps.
 
-One run of ``benchmarks/bench_memory.py`` (five rows, each in its own two child processes: memory,
+One run of ``benchmarks/bench_memory.py`` (six rows, each in its own two child processes: memory,
 timing) is shared by
 the tests below. Timings are never checked; what is checked holds on any machine: every row has
 the JSON fields, the attribution adds up, a gradient-release row keeps far fewer gradient bytes
@@ -55,7 +55,7 @@ def test_every_row_has_the_json_fields(tiny_run):
     assert result["benchmark"] == "memory" and result["settings"]["numel"] == MODEL_PRESETS["tiny"].numel
     assert set(result["settings"]["attribution"]) == set(memory.FIELDS)
     keys = [r.key for r in memory.select_rows(memory.memory_rows("cpu"), ROWS.split(","))]
-    assert list(_rows(result)) == keys and len(keys) == 5
+    assert list(_rows(result)) == keys and len(keys) == 6
     for r in result["rows"]:
         assert {"name", "status", "device", "b_per_param", "step_ms", "final_loss"} <= set(r)
         assert r["status"] in STATUSES and r["device"] in ("cpu", "cuda")
@@ -88,7 +88,7 @@ def test_gradient_release_keeps_one_gradient_and_the_same_loss(tiny_run):
     rows = _rows(result)
     largest = max(_tiny_param_bytes())
     released = [r for r in rows.values() if r["gradient_release"]]
-    assert len(released) == 2
+    assert len(released) == 3
     for r in released:
         normal = rows[r["counterpart"]]
         size = 2 if r["dtype"] == "bfloat16" else 4
@@ -116,9 +116,9 @@ def test_the_printed_report(tiny_run):
     header = lines[head + 1]
     assert header.split() == ["row", "params", "grads", "states", "other", "p+g+s", "peak", "peak", "MiB", "ms/step",
                               "final", "loss", "note"]
-    body = lines[head + 3: head + 3 + 5]
+    body = lines[head + 3: head + 3 + 6]
     assert [ln.split("  ")[0] for ln in body] == [r["name"] for r in _rows(result).values()]
-    assert sum("bit for bit" in ln for ln in body) == 2
+    assert sum("bit for bit" in ln for ln in body) == 3
     assert "other = peak - (params + grads + states)" in out
     if not HAS_CUDA:
         assert "== cuda: " in out and out.count("no CUDA") >= 5
@@ -163,7 +163,8 @@ def test_rosters():
     for r in cpu:
         if r.release:
             twin = next(c for c in cpu if c.key == r.counterpart)
-            assert r.name == f"{twin.name}, gradient release" and r.dtype == twin.dtype
+            norms = " keeping grad norms" if r.grad_norms else ""
+            assert r.name == f"{twin.name}, gradient release{norms}" and r.dtype == twin.dtype
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -98,7 +98,8 @@ ATTRIBUTION = {
 class MemoryRow:
     """One table row: ``build(model) -> optimizer`` on a model in ``dtype``. ``requires`` names a
     module that must be importable, ``cuda_only`` rows exist on CUDA only, ``release`` rows run
-    :func:`qconf.optim.prepare_gradient_release` and compare their loss with ``counterpart``'s."""
+    :func:`qconf.optim.prepare_gradient_release` (with ``grad_norms`` as given) and compare their
+    loss with ``counterpart``'s."""
 
     key: str
     name: str
@@ -109,6 +110,7 @@ class MemoryRow:
     cuda_only: bool = False
     release: bool = False
     counterpart: str | None = None
+    grad_norms: bool = False
 
 
 def _torch_adamw(model: GPT) -> Any:
@@ -146,6 +148,9 @@ def memory_rows(device: str = "cpu") -> list[MemoryRow]:
         MemoryRow(sr, "qconf default.yml bf16 SR", bf16, _qconf_adamw(BF16_SR_QCONFIG), family="qconf"),
         MemoryRow(f"{sr}-release", "qconf default.yml bf16 SR, gradient release", bf16,
                   _qconf_adamw(BF16_SR_QCONFIG, release=True), family="qconf", release=True, counterpart=sr),
+        MemoryRow(f"{sr}-release-norms", "qconf default.yml bf16 SR, gradient release keeping grad norms", bf16,
+                  _qconf_adamw(BF16_SR_QCONFIG, release=True), family="qconf", release=True, counterpart=sr,
+                  grad_norms=True),
         MemoryRow(f"{plain}-release", "qconf default.yml fp32, gradient release", f32,
                   _qconf_adamw("default", release=True), family="qconf", release=True, counterpart=plain),
         MemoryRow("qconf-8bit-fp32", "qconf 8bit.yml fp32", f32, _qconf_adamw("8bit"), family="qconf"),
@@ -258,7 +263,7 @@ def measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
     opt = row.build(model)
     probe = GradProbe(list(model.parameters()))
     if row.release:
-        qoptim.prepare_gradient_release(model, opt)
+        qoptim.prepare_gradient_release(model, opt, grad_norms=row.grad_norms)
     losses = [train_step(model, opt, b, backend)[1] for b in batches[:spec["warmup"]]]
     states = optimizer_state_bytes(opt)
     probe.remove()  # its sums over every parameter would add to the timed steps
