@@ -240,7 +240,7 @@ def prepare_gradient_release(model: torch.nn.Module, opt: ReleaseSteps, *, grad_
     ``backward`` steps each parameter and frees its gradient; ``opt.step()`` and
     ``opt.zero_grad()`` do nothing. ``grad_norms=True`` keeps each gradient's 2-norm on its
     :class:`ReleasedGrad`, so ``clip_grad_norm_`` returns the global norm (to log it; off by
-    default: it reads every gradient once more, about 5% of a bf16 training step on the CPU).
+    default: it reads every gradient once more, about 7% of a bf16 training step on the CPU, docs/memory.md).
     ValueError for an optimizer without the flag, a model already
     prepared, or an optimizer parameter that is not in the model (it would never step);
     RuntimeError in multi-process training (DDP, FSDP2)."""
