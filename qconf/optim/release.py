@@ -85,8 +85,8 @@ class ReleasedGrad(torch.Tensor):
         if norm and any(t.norm2 is None for t in released):
             raise RuntimeError(f"{func}: gradient release kept no norm of the gradient of {name}; to log gradient "
                                "norms, prepare with qconf.optim.prepare_gradient_release(model, opt, grad_norms=True) "
-                               "(one more read of every gradient). A global-norm clip cannot work either way: "
-                               "HF Trainer max_grad_norm=0, Lightning gradient_clip_val=None")
+                               "(one more read of every gradient). A global-norm clip that would scale the gradients "
+                               "cannot work either way: HF Trainer max_grad_norm=0, Lightning gradient_clip_val=None")
         if norm:
             return args[0].norm2.clone() if isinstance(args[0], ReleasedGrad) else [t.norm2.clone() for t in args[0]]
         if func in (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar) and _is_one(args[1]):
