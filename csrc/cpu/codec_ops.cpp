@@ -23,8 +23,10 @@ constexpr int64_t kTile = host::kTileTarget;
 
 RunCodecFn codec_function() {
   switch (selected_isa()) {
+#ifndef QCONF_NO_AVX512  // (detect_isa never gives them then)
     case Isa::avx512vbmi: return &isa_avx512vbmi::run_codec_items;
     case Isa::avx512: return &isa_avx512::run_codec_items;
+#endif
     case Isa::avx2: return &isa_avx2::run_codec_items;
     default: return &isa_scalar::run_codec_items;
   }

@@ -11,9 +11,11 @@ namespace qconf {
 Isa detect_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
+#ifndef QCONF_NO_AVX512  // (a build without the AVX-512 kernels: tests/sanitize.py on a CPU that lacks them)
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     return __builtin_cpu_supports("avx512vbmi") ? Isa::avx512vbmi : Isa::avx512;
+#endif
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return Isa::avx2;
 #endif
@@ -42,8 +44,8 @@ Isa selected_isa() {
     throw std::invalid_argument(std::string("QCONF_CPU_ISA=") + env +
                                 " is not one of scalar, avx2, avx512, avx512vbmi");
   if (static_cast<int>(want) > static_cast<int>(best))
-    throw std::invalid_argument(std::string("QCONF_CPU_ISA=") + env + " but this CPU supports at most " +
-                                isa_name(best));
+    throw std::invalid_argument(std::string("QCONF_CPU_ISA=") + env +
+                                " but this CPU (and this build) supports at most " + isa_name(best));
   return want;
 }
 

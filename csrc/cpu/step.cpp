@@ -44,8 +44,10 @@ void append_tiles(const std::vector<TensorDesc>& descs, int64_t i, std::vector<W
 
 RunItemsFn isa_function() {
   switch (selected_isa()) {
+#ifndef QCONF_NO_AVX512  // (detect_isa never gives them then)
     case Isa::avx512vbmi: return &isa_avx512vbmi::run_items;
     case Isa::avx512: return &isa_avx512::run_items;
+#endif
     case Isa::avx2: return &isa_avx2::run_items;
     default: return &isa_scalar::run_items;
   }
