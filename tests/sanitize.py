@@ -32,14 +32,28 @@ TEMP = ROOT / "build" / "sanitize-temp"
 FULL = ["tests/test_native_fuzz.py", "tests/test_fused.py", "tests/test_fused_split.py",
         "tests/test_codec_native.py", "tests/test_integer_rows.py", "tests/test_ternary_mm.py",
         "tests/test_value_lines.py", "tests/test_non_finite.py"]
-#: What CI runs (about 80 s under the sanitizers on 2 cores): the fuzz's edge cases and three
-#: batches of 12 random cases (every rule, scale kind, map, dtype and ISA among them), the split
-#: step, the native codecs, the integer row passes and the BitNet ops, block sizes around the main
-#: loop's chunk and non-finite gradients. (--full adds the shipped-config and codec sweeps.)
+#: The codecs under the sanitizers: every scale kind, code width and rounding with three maps -- a
+#: full table (nonlinear), a padded one (linear: signed, an odd number of values) and ternary. The
+#: maps differ only in the table's values, which no buffer's size depends on (the full product runs
+#: in the normal suite and with --full).
+CODEC_CASES = [f"tests/test_codec_native.py::test_native_equals_reference[{scale}-{map}-{bits}-{rounding}]"
+               for scale in ("tensor", "dim0", "dim1", "group", "rank1") for rounding in ("nearest", "stochastic")
+               for map, widths in (("nonlinear", (1, 4, 5, 8)), ("linear", (1, 4, 5, 8)), ("ternary", (2,)))
+               for bits in widths]
+#: What CI runs (about 50 s under the sanitizers on 2 cores): the fuzz's edge cases and two batches
+#: of 12 random cases (every rule, scale kind, map, dtype and ISA among them), the split step, the
+#: native codecs above, the integer row passes and the BitNet ops, block sizes around the main
+#: loop's chunk and non-finite gradients. (--full adds the rest of the fuzz, the shipped-config and
+#: codec sweeps and the ISA-override subprocess tests.)
 FOCUSED = ["tests/test_native_fuzz.py::test_groups_larger_than_the_tensor_on_every_isa",
-           *(f"tests/test_native_fuzz.py::test_random_cases_equal_the_reference[{b}]" for b in range(3)),
-           "tests/test_fused_split.py", "tests/test_codec_native.py", "tests/test_integer_rows.py",
-           "tests/test_ternary_mm.py", "tests/test_fused.py::test_block_sizes_around_the_main_loop_chunk_match_reference",
+           *(f"tests/test_native_fuzz.py::test_random_cases_equal_the_reference[{b}]" for b in range(2)),
+           "tests/test_fused_split.py", *CODEC_CASES,
+           "tests/test_codec_native.py::test_native_non_finite_and_zero_blocks_match",
+           "tests/test_codec_native.py::test_native_identical_across_isas_and_threads",
+           "tests/test_integer_rows.py", "tests/test_ternary_mm.py",
+           "--deselect", "tests/test_ternary_mm.py::test_scalar_isa_is_refused",
+           "--deselect", "tests/test_ternary_mm.py::test_an_unusable_isa_override_does_not_break_import",
+           "tests/test_fused.py::test_block_sizes_around_the_main_loop_chunk_match_reference",
            "tests/test_fused.py::test_non_finite_gradients_give_the_same_states"]
 FOCUSED_FUZZ_CASES = "12"
 
