@@ -1,6 +1,7 @@
 """Shared test fixtures: small models, a real learning task, state comparison."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -101,6 +102,24 @@ def host_extension(name: str, source: str, functions: list[str], build_directory
                        extra_include_paths=[str(ROOT / "csrc" / "include")],
                        extra_cflags=["-O1", "-std=c++17", "-ffp-contract=off"],
                        build_directory=str(build_directory), verbose=False)
+
+
+def host_extension_job(module_file: str, builder: str):
+    """A background job (conftest.py) that calls ``builder(workdir)`` of the test module at
+    ``module_file`` in a child process. The builder compiles a host extension into that directory
+    (host_extension); the module's fixture calls the same builder there once the job is done, and
+    torch's JIT build finds everything compiled."""
+    path = Path(module_file)
+    code = (f"import sys; from pathlib import Path; sys.path.insert(0, {str(path.parent)!r}); import {path.stem}; "
+            f"{path.stem}.{builder}(Path(sys.argv[1]))")
+    return lambda workdir: [sys.executable, "-c", code, str(workdir)]
+
+
+def prebuilt_extension(request, background_jobs, key: str, builder):
+    """The module's host extension ``builder(workdir)`` from the finished background job ``key``."""
+    returncode, out, err = background_jobs(request, key).result()
+    assert returncode == 0, f"building the host extension failed ({returncode}):\n{(out + err)[-20000:]}"
+    return builder(background_jobs(request, key).workdir)
 
 
 def module_literal(path: Path, name: str):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,15 +28,22 @@ STATUSES = ("ok", "not installed", "no CUDA", "error")
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _tiny_run_command(workdir: Path) -> list[str]:
+    return [sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--memory-model", "tiny", "--memory-warmup",
+            "1", "--memory-steps", "2", "--contenders", ROWS, "--json", str(workdir / "memory.json"), "--quiet"]
+
+
+# the run starts in the background when collection ends (conftest.py): 12 child processes, ~50 s
+BACKGROUND_JOBS = {"tiny_run": _tiny_run_command}
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory) -> tuple[dict, str]:
+def tiny_run(request, background_jobs) -> tuple[dict, str]:
     """``(JSON result, printed output)`` of the tiny run through the script twin."""
-    out = tmp_path_factory.mktemp("memory") / "memory.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--memory-model", "tiny",
-                           "--memory-warmup", "1", "--memory-steps", "2", "--contenders", ROWS, "--json", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(out.read_text()), proc.stdout
+    job = background_jobs(request, "tiny_run")
+    returncode, stdout, stderr = job.result()
+    assert returncode == 0, stderr
+    return json.loads((job.workdir / "memory.json").read_text()), stdout
 
 
 def _rows(result: dict, device: str = "cpu") -> dict[str, dict]:

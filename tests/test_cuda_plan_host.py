@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from helpers import host_extension
+from helpers import host_extension, host_extension_job, prebuilt_extension
 
 
 SOURCE = r"""
@@ -203,9 +203,17 @@ SCRATCH_BASE = 0x100000000
 DEVICE_BASE = 0x7F0000000000
 
 
+def build_extension(build_directory):
+    return host_extension("qconf_cuda_plan_host", SOURCE, FUNCTIONS, build_directory)
+
+
+# compiled in the background from when collection ends (conftest.py)
+BACKGROUND_JOBS = {"ext": host_extension_job(__file__, "build_extension")}
+
+
 @pytest.fixture(scope="module")
-def ext(tmp_path_factory):
-    return host_extension("qconf_cuda_plan_host", SOURCE, FUNCTIONS, tmp_path_factory.mktemp("cuda_plan_host_build"))
+def ext(request, background_jobs):
+    return prebuilt_extension(request, background_jobs, "ext", build_extension)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from qconf.codec.scales import compute_scales
 from qconf.optim import SGD, Adam, AdamW, Lion
 from qconf.optim.fused import hyper_values
 
-from helpers import host_extension
+from helpers import host_extension, host_extension_job, prebuilt_extension
 
 
 SOURCE = r"""
@@ -135,9 +135,17 @@ FUNCTIONS = ["nearest", "stochastic", "to_bf16", "to_f16", "from_half_bits", "ke
              "rule_step"]
 
 
+def build_extension(build_directory):
+    return host_extension("qconf_element_host", SOURCE, FUNCTIONS, build_directory)
+
+
+# compiled in the background from when collection ends (conftest.py)
+BACKGROUND_JOBS = {"ext": host_extension_job(__file__, "build_extension")}
+
+
 @pytest.fixture(scope="module")
-def ext(tmp_path_factory):
-    return host_extension("qconf_element_host", SOURCE, FUNCTIONS, tmp_path_factory.mktemp("element_host_build"))
+def ext(request, background_jobs):
+    return prebuilt_extension(request, background_jobs, "ext", build_extension)
 
 
 def _tables(codec: Codec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

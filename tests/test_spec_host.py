@@ -29,7 +29,7 @@ from qconf.codec import QTensor
 from qconf.optim import SGD, Adam, AdamW, Lion
 from qconf.optim.fused import _signed64
 
-from helpers import CONFIGS, ROOT, host_extension, module_literal
+from helpers import CONFIGS, ROOT, host_extension, host_extension_job, module_literal, prebuilt_extension
 
 if not _native.fused_available():  # pragma: no cover - the CI build always has the extension
     pytest.skip(f"fused kernels unavailable: {_native.native_error()}", allow_module_level=True)
@@ -322,12 +322,19 @@ std::vector<std::vector<int64_t>> units_of(int64_t rows, int64_t cols, int64_t u
 """
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
+def build_emulator(build_directory):
     entries = "\n".join(f'    {{"{n}", kernels_of<{_spec_type(n)}>()}},' for n in _names_of_cases())
     source = EMULATOR.replace("@ENTRIES@", entries)
-    return host_extension("qconf_spec_emulator", source, ["step", "aot_names", "plan", "units_of"],
-                          tmp_path_factory.mktemp("spec_emulator"))
+    return host_extension("qconf_spec_emulator", source, ["step", "aot_names", "plan", "units_of"], build_directory)
+
+
+# compiled in the background from when collection ends (conftest.py): about 80 s of one core
+BACKGROUND_JOBS = {"emu": host_extension_job(__file__, "build_emulator")}
+
+
+@pytest.fixture(scope="module")
+def emu(request, background_jobs):
+    return prebuilt_extension(request, background_jobs, "emu", build_emulator)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
