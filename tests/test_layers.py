@@ -10,6 +10,8 @@ not. The imports are read from the source (ast), not by importing anything.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,14 @@ def test_modules_and_functions_fit_on_a_screen(name):
             length = node.end_lineno - node.lineno + 1
             if length > MAX_FUNCTION_LINES:
                 assert LONG_FUNCTION_MARK in (ast.get_docstring(node) or ""), f"{name}.{node.name}: {length} lines"
+
+
+def test_importing_the_cli_leaves_out_torch_compile_and_dtensor():
+    """``qconf`` starts on torch alone: torch._dynamo and torch.distributed.tensor, 0.7 s each of
+    every start (every CLI command, every child process of the suite), load only when a user's
+    code uses them (a DTensor exists only once its module is imported)."""
+    code = ("import sys, qconf.cli; print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]"

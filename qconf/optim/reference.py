@@ -62,7 +62,9 @@ class ReferenceSteps:
     #: False steps each parameter whole.
     elementwise_rule: bool = False
 
-    @torch.compiler.disable  # host-driven per parameter: see "torch.compile" in docs/optimizers.md
+    # host-driven per parameter: see "torch.compile" in docs/optimizers.md (torch.compiler.disable,
+    # which imports dynamo when qconf is imported: 0.7 s of every start; this one at the first call)
+    @torch._disable_dynamo
     def _reference_group(self, group: dict[str, Any]) -> None:
         """The reference step of every parameter of ``group`` that has a gradient."""
         index = self._param_index()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any
 
 import torch
@@ -32,18 +33,15 @@ import torch.distributed as dist
 from ..codec import Codec, QTensor
 from ..codec.scales import compute_scales, floor_scales
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch without distributed support
-    DTensor = None
-
 __all__ = ["ShardGeometry", "ShardView", "PendingEncode", "shard_geometry", "combine_scales", "finish_encodes",
            "store_encodes", "is_sharded"]
 
 
 def is_sharded(p: torch.Tensor) -> bool:
-    """Whether ``p`` is a DTensor (a parameter of an FSDP2 / tensor-parallel module)."""
-    return DTensor is not None and isinstance(p, DTensor)
+    """Whether ``p`` is a DTensor (a parameter of an FSDP2 / tensor-parallel module). A DTensor
+    exists only once its module is imported, so qconf does not import it (0.7 s of every start)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(p, dtensor.DTensor)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,17 +29,18 @@ import torch.distributed as dist
 from ..codec import Codec, QTensor
 from ..codec import packing
 from .records import PACKING, ROWS, row_geometry
-from .sharded import DTensor, PendingEncode, ShardGeometry, ShardView, is_sharded, shard_geometry
+from .sharded import PendingEncode, ShardGeometry, ShardView, is_sharded, shard_geometry
 
 __all__ = ["export_states", "import_qtensor", "import_dense", "convert_local", "agree"]
 
 
 def _global_dtensor(local: torch.Tensor, p: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """``local`` (this rank's rows of a tensor of global ``shape``, by default the parameter
-    ``p``'s, sharded on dim 0 as ``p`` is) as a DTensor placed like ``p``."""
+    ``p``'s, sharded on dim 0 as ``p`` is) as a DTensor placed like ``p`` (a DTensor: its class
+    builds it, so qconf need not import torch.distributed.tensor)."""
     shape = tuple(p.shape) if shape is None else shape
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+    return type(p).from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
 
 
 def export_states(state: Mapping[Any, Mapping[str, Any]]) -> dict[Any, dict[str, Any]]:
