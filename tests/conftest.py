@@ -2,10 +2,11 @@
 
 A test module declares ``BACKGROUND_JOBS = {key: job}``, where ``job(workdir)`` returns the command
 (argv) of a subprocess run in ``workdir`` (a fresh directory) and ``key`` names what needs it: a
-test (its name with parameters) or a fixture of the module. The jobs that selected tests need run
-at the lowest CPU priority (nice 19) from the end of collection, two at a time in the order the
-tests will need them, so they compile on the CPU time the rest of the suite leaves idle (most tests
-are one Python thread on two cores) instead of after it. A test takes its job from the
+test (its name with parameters) or a fixture of the module, and ``BACKGROUND_CPU_S``, the CPU
+seconds its jobs took. The jobs that selected tests need run at the lowest CPU priority (nice 19)
+from the end of collection, two at a time, so they compile on the CPU time the rest of the suite
+leaves idle (most tests are one Python thread on two cores) instead of after it. Modules with jobs
+run last, the costliest first, and their jobs start in that order. A test takes its job from the
 ``background_job`` fixture, a fixture from ``background_jobs(request, key)``; either waits for it
 (starting it at once if it is still queued). Jobs still running when the session ends (a test
 failed or was interrupted) are killed with everything they started.
@@ -135,6 +136,23 @@ def _session(pid: int) -> int | None:
 
 def _key(module, key: str) -> tuple[str, str]:
     return (module.__file__, key)
+
+
+def _background_cpu_s(item: pytest.Item) -> float | None:
+    """The CPU seconds of the background jobs of ``item``'s module (its ``BACKGROUND_CPU_S``, as
+    measured), None for a module without jobs."""
+    module = getattr(item, "module", None)
+    return getattr(module, "BACKGROUND_CPU_S", 0.0) if getattr(module, "BACKGROUND_JOBS", None) else None
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with background jobs run last, the costliest jobs first (whole modules, in their own
+    order: module fixtures are set up once). The other tests then run while the jobs take the idle
+    core, the waits come at the end, when the jobs get both cores, and the longest job (the
+    sanitizers') is not the last one started."""
+    cost = {id(item): _background_cpu_s(item) for item in items}
+    tail = sorted((item for item in items if cost[id(item)] is not None), key=lambda item: -cost[id(item)])
+    items[:] = [item for item in items if cost[id(item)] is None] + tail
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -209,6 +209,7 @@ def build_extension(build_directory):
 
 # compiled in the background from when collection ends (conftest.py)
 BACKGROUND_JOBS = {"ext": host_extension_job(__file__, "build_extension")}
+BACKGROUND_CPU_S = 27  # one core
 
 
 @pytest.fixture(scope="module")

@@ -328,8 +328,9 @@ def build_emulator(build_directory):
     return host_extension("qconf_spec_emulator", source, ["step", "aot_names", "plan", "units_of"], build_directory)
 
 
-# compiled in the background from when collection ends (conftest.py): about 80 s of one core
+# compiled in the background from when collection ends (conftest.py)
 BACKGROUND_JOBS = {"emu": host_extension_job(__file__, "build_emulator")}
+BACKGROUND_CPU_S = 86  # one core
 
 
 @pytest.fixture(scope="module")
