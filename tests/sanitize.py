@@ -1,7 +1,7 @@
 """The native-kernel tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 
 Builds ``qconf._C`` with ``QCONF_SANITIZE=1`` (setup.py: ``-fsanitize=address,undefined``, every
-report fatal, -O3 as shipped) into ``build/sanitize/`` beside a copy of the Python package, then
+report fatal, -O1) into ``build/sanitize/`` beside a copy of the Python package, then
 runs pytest on the native-kernel tests with that package first on ``PYTHONPATH`` and the ASan
 runtime preloaded (the Python interpreter itself is not instrumented). A heap or stack overflow,
 a use after free, a misaligned or out-of-range access or signed overflow in the extension aborts
@@ -12,7 +12,7 @@ start (the shape fuzz's) inherit the same environment. ::
     python tests/sanitize.py --full    # every native-kernel test file, the whole fuzz
     python tests/sanitize.py -- -k fuzz    # extra pytest arguments after --
 
-The build is incremental (ninja, ``build/sanitize-temp``): about 2.5 minutes the first time on 2
+The build is incremental (ninja, ``build/sanitize-temp``): about 1.5 minutes the first time on 2
 cores. On a CPU without AVX-512 it leaves out the AVX-512 kernels, which could not run here.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ CODEC_CASES = [f"tests/test_codec_native.py::test_native_equals_reference[{scale
                for scale in ("tensor", "dim0", "dim1", "group", "rank1") for rounding in ("nearest", "stochastic")
                for map, widths in (("nonlinear", (1, 4, 5, 8)), ("linear", (1, 4, 5, 8)), ("ternary", (2,)))
                for bits in widths]
-#: What CI runs (about 50 s under the sanitizers on 2 cores): the fuzz's edge cases and two batches
+#: What CI runs (about 55 s under the sanitizers on 2 cores): the fuzz's edge cases and two batches
 #: of 12 random cases (every rule, scale kind, map, dtype and ISA among them), the split step, the
 #: native codecs above, the integer row passes and the BitNet ops, block sizes around the main
 #: loop's chunk and non-finite gradients. (--full adds the rest of the fuzz, the shipped-config and

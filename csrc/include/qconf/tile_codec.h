@@ -414,7 +414,9 @@ inline I stream_lanes(StreamKey k, uint64_t first, Scalar scalar, Lanes lanes) {
 // the 32 random bits of elements first .. first+W-1 of a tensor (hash_bits: stream elements
 // first + k.offset ..)
 inline I hash_vec(StreamKey k, uint64_t first) {
-  return stream_lanes(k, first, hash_bits, [&](I g, uint32_t hi) {
+  // (hash_bits through a lambda, not a function pointer: always_inline needs its callee known at
+  // every optimization level, and the sanitized build's -O1 resolves no pointer before inlining)
+  return stream_lanes(k, first, [](StreamKey key, uint64_t i) { return hash_bits(key, i); }, [&](I g, uint32_t hi) {
     return hash_pair<I>(g ^ I(k.k0), I(fold_high<uint32_t>(hi + k.k1)));
   });
 }
@@ -422,7 +424,7 @@ inline I hash_vec(StreamKey k, uint64_t first) {
 // half_bits (element.h) of elements first .. first+W-1 of a tensor: lane g = first + k.offset + j
 // takes the top half of hash_at(g >> 1) for even g, the low half (moved to the top) for odd g.
 inline I half_bits_vec(StreamKey k, uint64_t first) {
-  return stream_lanes(k, first, half_bits, [&](I g, uint32_t hi) {
+  return stream_lanes(k, first, [](StreamKey key, uint64_t i) { return half_bits(key, i); }, [&](I g, uint32_t hi) {
     // g >> 1 within one 2^32 window of g: low word (g_lo >> 1) | (g_hi & 1) << 31, high g_hi >> 1
     const I q = (g >> 1) | I(hi << 31);
     const I h = hash_pair<I>(q ^ I(k.k0), I(fold_high<uint32_t>((hi >> 1) + k.k1)));
