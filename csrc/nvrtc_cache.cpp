@@ -9,7 +9,8 @@
 // for any sm_ architecture without a GPU.
 #include "qconf/nvrtc_cache.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/stat.h>

@@ -12,7 +12,7 @@ start (the shape fuzz's) inherit the same environment. ::
     python tests/sanitize.py --full    # every native-kernel test file, the whole fuzz
     python tests/sanitize.py -- -k fuzz    # extra pytest arguments after --
 
-The build is incremental (ninja, ``build/sanitize-temp``): about 1.5 minutes the first time on 2
+The build is incremental (ninja, ``build/sanitize-temp``): about 1 minute the first time on 2
 cores. On a CPU without AVX-512 it leaves out the AVX-512 kernels, which could not run here.
 """
 from __future__ import annotations

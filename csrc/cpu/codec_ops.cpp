@@ -1,6 +1,8 @@
 // Native Codec.encode / Codec.decode (qconf::encode, qconf::decode): the kernel's tile functions
 // applied to one tensor, in parallel over tiles. Same results as the reference codec.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -6,7 +6,8 @@
 // f holds one factor per row ([R]) or one for all ([1]). AVX2 vectors where the CPU has them (the
 // same IEEE operations as the scalar code, which also does every row's tail); results are
 // independent of the ISA and the thread count.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -14,7 +14,9 @@
 // larger) maxima into scales exactly as a plain step does and runs the apply pass.
 #include "qconf/step_driver.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -2,7 +2,8 @@
 // w [N, K] (BitLinear's forward on the CPU, where torch's _int_mm is a scalar loop without AVX-512
 // VNNI). Checks, packs the weight (csrc/include/qconf/ternary_mm.h), sums x's rows and runs the AVX2
 // kernel in parallel over blocks of rows and panels. Needs AVX2 (QCONF_CPU_ISA is honoured).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

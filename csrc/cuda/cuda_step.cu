@@ -14,7 +14,10 @@
 // Specialized launches of a plan, on the current stream: the rank-1 partial maxima zeroed; per
 // launch, for a spec with a rank-1 state its reduce pass and the finalize of its scales, then its
 // apply pass; the new rank-1 scales copied over the stored ones at the end.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

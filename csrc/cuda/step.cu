@@ -29,7 +29,8 @@
 // conversions, RNG, finite_abs_bits / scale_from_absmax_bits, fmin_nan / fmax_nan), and the per-element
 // scales come from the CPU's scale-layout walker (qconf/scale_walk.h): the same code the CPU
 // scalar path runs. Compiled with --fmad=false: no contraction, every op rounded as written.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -12,7 +12,8 @@
 //       -> (Tensor cubin, str log, bool cache_hit, str path)
 //       the spec compiled exactly as the CUDA driver compiles it at first use (spec_source.h),
 //       with NVRTC loaded from `nvrtc_library` and `options` added (e.g. --ptxas-options=-v)
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdlib>

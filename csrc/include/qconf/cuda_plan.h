@@ -11,7 +11,7 @@
 // so a group and a code byte never straddle two blocks.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>

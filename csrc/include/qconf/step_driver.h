@@ -3,7 +3,7 @@
 // qconf/optim/fused.py builds, are laid out as qconf/layout.h says.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <memory>
 #include <string>

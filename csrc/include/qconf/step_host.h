@@ -6,7 +6,7 @@
 // Everything here runs on the host; the kernels only read the resulting TensorDesc array.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
