@@ -28,6 +28,12 @@ import pytest
 _QUEUE = pytest.StashKey["JobQueue"]()
 SLOTS = 2  # jobs at a time: the compilers of more would only share the same idle time, in more memory
 TIMEOUT_S = 1500  # per job, from its start: a hung build fails its test instead of hanging the suite
+#: Runs a job's command (after it) at nice 19, and its session's scheduling group too: with
+#: autogroups (Linux's default on desktops and many CI runners) a new session is a group that
+#: shares the CPU equally with pytest's whatever its nice, so the compilers took half of it and the
+#: native codec tests ran 15x slower beside them (275 s against 18 s). A shell, not preexec_fn,
+#: which is unsafe in a process with threads (the queue starts jobs from its own).
+LOWEST_PRIORITY = ["/bin/sh", "-c", '(echo 19 > /proc/self/autogroup) 2>/dev/null; exec nice -n 19 "$@"', "job"]
 
 
 class Job:
@@ -41,8 +47,8 @@ class Job:
         with open(self.workdir / "stdout.log", "wb") as out, open(self.workdir / "stderr.log", "wb") as err:
             # (C locale: compiler messages in the words the tests look for; two compile jobs each)
             env = {**os.environ, "LC_ALL": "C", "MAX_JOBS": os.environ.get("MAX_JOBS", "2")}
-            self.proc = subprocess.Popen(self.argv, cwd=self.workdir, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True, preexec_fn=_lowest_priority)
+            self.proc = subprocess.Popen([*LOWEST_PRIORITY, *self.argv], cwd=self.workdir, stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def result(self) -> tuple[int, str, str]:
         """``(exit status, stdout, stderr)``, waiting for the job."""
@@ -100,18 +106,6 @@ class JobQueue:
             if job.proc is not None:
                 _kill(job.proc)
             shutil.rmtree(job.workdir, ignore_errors=True)
-
-
-def _lowest_priority() -> None:
-    """In the job's process, after it became a session of its own: nice 19 for it and for its
-    session's scheduling group. With autogroups (Linux's default on desktops and many CI runners)
-    a new session is a group that shares the CPU equally with pytest's whatever its nice: the
-    compilers took half of it and the tests ran up to 10x slower (the native codec tests: 275 s
-    against 18 s). The group's own nice makes them take only the time the tests leave idle."""
-    os.nice(19)
-    with contextlib.suppress(OSError):  # no autogroups here: nice alone does it
-        with open("/proc/self/autogroup", "w") as f:
-            f.write("19")
 
 
 def _kill(proc: subprocess.Popen) -> None:
