@@ -55,7 +55,7 @@ def _job(source: Path):
 # each compile starts when collection ends and runs in the background (conftest.py)
 BACKGROUND_JOBS = {} if NVCC is None else {
     f"test_cuda_source_compiles_for_compute80_and_compute90[{source.name}]": _job(source) for source in CUDA_SOURCES}
-BACKGROUND_CPU_S = 193  # step.cu 100, cuda_step.cu 47, spec_aot.cu 46 (62, 35 and 33 s on 2 idle cores)
+BACKGROUND_CPU_S = 123  # step.cu 65, cuda_step.cu 40, spec_aot.cu 18 (39, 30 and 12 s on 2 idle cores)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")

@@ -2,7 +2,7 @@
 // kernel's step (step.cu) and the specialized kernels compiled ahead of time (spec_aot.cu).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <cuda_runtime.h>
 
 #include <vector>
