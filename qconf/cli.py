@@ -4,7 +4,7 @@
     qconf show FILE [--model-shapes SPEC] [--json] the resolved config and per-parameter plan
     qconf bench [--size big|many|both] [...]       optimizer-step benchmark tables (qconf.bench)
     qconf bench --memory [...]                     training-memory benchmark (qconf.bench.memory)
-    qconf compare CONFIG... [--task NAME] [...]    train a task under each config, compare (qconf.study)
+    qconf compare CONFIG... [--vary F=V,..] [...]  train a task under each config, compare (qconf.study)
 
 Subcommands are registered by the functions in :data:`COMMANDS` (each adds one subparser and
 sets ``func``), so new ones (``compare``, ``bench``) are one more entry.
@@ -312,9 +312,15 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from .study.arguments import split_optimizer
     from .study.cli import execute
+    from .study.task import StudyError
 
-    for path in args.configs:  # a directory or device is reported as validate reports it, not as "not found"
+    for item in args.configs:  # a directory or device is reported as validate reports it, not as "not found"
+        try:
+            path, _ = split_optimizer(item)  # CONFIG@OPTIMIZER
+        except StudyError:
+            continue  # execute() reports the unknown optimizer
         problem = _unreadable_config(path)
         if problem is not None:
             return _usage_error("compare", problem)

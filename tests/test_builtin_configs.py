@@ -84,8 +84,8 @@ def test_optimizer_takes_a_name():
 def test_compare_takes_names():
     result = compare(["fp32", "default"], task="test_study_tasks:tiny_task", steps=2, seeds=1, out=False,
                      progress=False, measure_error=False)
-    assert [c.label for c in result.configs] == ["fp32", "default"]
-    assert [c.source for c in result.configs] == ["fp32", "default"]
+    assert [c.label for c in result.rows] == ["fp32", "default"]
+    assert [c.source for c in result.rows] == ["fp32", "default"]
     assert result.settings["command"].startswith("qconf compare fp32 default ")
 
 

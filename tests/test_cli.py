@@ -448,7 +448,9 @@ def test_non_utf8_file_names_compare(tmp_path):
     assert b"\\xb1 " in proc.stdout  # mean \xb1 std: the ASCII terminal cannot show the plus-minus sign
     out_dir = os.path.join(os.fsencode(tmp_path), out)
     written = sorted(os.listdir(out_dir))
-    assert written == [b"curves.png", b"qerror.png", b"report.md", b"results.csv", b"results.json", b"summary.png"]
+    assert written == [b"configs", b"curves.png", b"qerror.png", b"report.md", b"results.csv", b"results.json",
+                       b"runs", b"study.json", b"summary.png"]
+    assert sorted(os.listdir(os.path.join(out_dir, b"configs"))) == [b"8bit.yml", b"cfg-_xff.yml"]  # ASCII-safe
     with open(os.path.join(out_dir, b"results.csv"), encoding="utf-8") as f:
         assert [row.split(",")[0] for row in f.read().splitlines()] == ["config", "cfg-\\xff", "8bit"]
     with open(os.path.join(out_dir, b"report.md"), encoding="utf-8") as f:

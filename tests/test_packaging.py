@@ -145,6 +145,14 @@ def test_cli_compare(venv, outside):
                 cwd=outside, env=_clean_env())
     assert "\nconfig " in proc.stdout and "\ndefault " in proc.stdout and "\n8bit " in proc.stdout
     assert (outside / "results" / "report.md").is_file()
+    # a sweep in two worker processes (spawned from the installed package), extending the same study
+    proc = _run([str(venv / "bin" / "qconf"), "compare", "default", "8bit", "--vary", "states.exp_avg.bits=2,3",
+                 "--task", "digits", "--steps", "2", "--seeds", "1", "--eval-every", "1", "--no-qerr", "--no-progress",
+                 "--jobs", "2", "--out", "results"], cwd=outside, env=_clean_env())
+    assert "1 already in results; running 2 in 2 processes" in proc.stdout, proc.stdout
+    table = [line.split()[:2] for line in proc.stdout.splitlines() if line.startswith(("config ", "default ", "8bit "))]
+    assert table == [["config", "exp_avg.bits"], ["default", "2"], ["default", "3"], ["8bit", "2.248"]], proc.stdout
+    assert (outside / "results" / "sweep.png").is_file()
 
 
 def test_cli_bench(venv, outside):

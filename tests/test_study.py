@@ -14,7 +14,7 @@ from qconf.cli import main
 from qconf.study import StudyError, compare, resolve_task
 from qconf.study.charlm import MODULES, charlm_task, unigram_loss
 from qconf.study.cli import parse_opt_args
-from qconf.study.compare import _labels
+from qconf.study.arguments import labels_for as _labels
 from qconf.study.runner import train_run
 from qconf.config import load_config
 
@@ -144,7 +144,7 @@ def test_outputs_written_and_parse(tmp_path):
     assert result.out == out
     data = json.loads((out / "results.json").read_text())
     assert data["settings"]["seeds"] == [0, 1] and data["task"]["name"] == "tiny"
-    assert [c["label"] for c in data["configs"]] == ["fp32", "default"]
+    assert [c["label"] for c in data["rows"]] == ["fp32", "default"]
     assert len(data["runs"]) == 4 and len(data["runs"][0]["train_loss"]) == 10
     assert [e["step"] for e in data["runs"][0]["eval"]] == [0, 5, 10]
     rows = list(csv.DictReader((out / "results.csv").open()))
@@ -162,7 +162,7 @@ def test_cli_runs_and_prints_table(capsys, tmp_path):
     assert code == 0, err
     assert "final eval loss" in out and "fp32" in out and "default" in out
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["settings"]["optimizer_defaults"]["eps"] == 1e-6
+    assert data["settings"]["optimizer_defaults"]["adamw"]["eps"] == 1e-6
     assert "--opt-arg eps=1e-06" in data["settings"]["command"]
 
 
@@ -184,6 +184,7 @@ def test_help_documents_every_option(capsys):
     ([FOUR, "--steps", "ten"], ["--steps", "ten"]),
     ([FOUR, "--optimizer", "adagrad"], ["optimizer", "adagrad"]),
     ([FOUR, "--fused", "maybe"], ["fused", "maybe"]),
+    ([FOUR, "--jobs", "0"], ["jobs must be a positive integer"]),
     ([FOUR, "--lr", "-1"], ["lr", "-1"]),
     ([FOUR, "--opt-arg", "eps"], ["--opt-arg", "eps"]),
     ([FOUR, "--opt-arg", "eps=-1"], ["eps"]),
@@ -242,30 +243,6 @@ def test_labels_and_opt_args():
     assert _labels(["a.yml", "a.yml"]) == ["a", "a#2"]
     assert parse_opt_args(["eps=1e-6", "betas=0.9,0.95", "weight-decay=0"]) == {
         "eps": 1e-6, "betas": (0.9, 0.95), "weight_decay": 0}
-
-
-# -- shipped study configs ------------------------------------------------------------------------------------
-def test_zero_point_study_configs(capsys):
-    study = sorted((CFG / "studies" / "zero_point").glob("*.yml"))
-    assert main(["validate", *map(str, study)]) == 0
-    capsys.readouterr()
-    expected = {  # second moment of each file: (scale, group_size, map); first moment is B2048/DE everywhere
-        "b2048_de": ("group", 2048, "nonlinear"), "b128_de": ("group", 128, "nonlinear"),
-        "b2048_de0": ("group", 2048, "nonlinear-nozero"), "b128_de0": ("group", 128, "nonlinear-nozero"),
-        "rank1_de0": ("rank1", None, "nonlinear-nozero"), "rank1_linear": ("rank1", None, "power-1"),
-    }
-    assert {p.stem for p in study} == set(expected) | {"fp32"}
-    for path in study:
-        cfg = load_config(path)
-        m, v = cfg.states["exp_avg"], cfg.states["exp_avg_sq"]
-        if path.stem == "fp32":
-            assert not m.enable and not v.enable
-            continue
-        assert path.read_text().startswith("# Zero-point study (lpmm paper, Table 1), row")
-        assert (m.enable, m.bits, m.map, m.signed, m.scale, m.group_size) == (True, 4, "nonlinear", True, "group", 2048)
-        scale, group, qmap = expected[path.stem]
-        assert (v.enable, v.bits, v.signed, v.scale, v.map) == (True, 4, False, scale, qmap)
-        assert group is None or v.group_size == group
 
 
 def test_a_bitnet_config_trains_bitnet_layers_in_a_study_run(monkeypatch):

@@ -3,6 +3,8 @@ user's ``--task mymod:make_task`` is). No tests here."""
 from __future__ import annotations
 
 import itertools
+import os
+import time
 
 import torch
 
@@ -69,3 +71,44 @@ def broken_task():
 
 def first(n, it):  # helper used by the determinism test
     return list(itertools.islice(it, n))
+
+
+def crashing_task() -> Task:
+    """Like tiny_task, but seed 1's loss raises at its 3rd step (a bug in a user's task)."""
+    def make_model(seed):
+        model = _model(seed)
+        model.qconf_test = {"seed": seed, "calls": 0}
+        return model
+
+    def loss(model, batch):
+        model.qconf_test["calls"] += 1
+        if model.qconf_test["seed"] == 1 and model.qconf_test["calls"] == 3:
+            raise RuntimeError("loss exploded in user code")
+        return _loss(model, batch)
+    return Task("crashing", make_model, _batches, loss, _evaluate, default_steps=8, default_lr=3e-3)
+
+
+def dying_task() -> Task:
+    """Like tiny_task, but seed 1 ends its process at its first step (a crash in native code, the OOM
+    killer): only a worker process can survive that."""
+    def batches(seed: int):
+        for b in _batches(seed):
+            if seed == 1:
+                os._exit(3)
+            yield b
+    return Task("dying", _model, batches, _loss, _evaluate, default_steps=8, default_lr=3e-3)
+
+
+GATE = "QCONF_TEST_GATE"
+
+
+def gated_task() -> Task:
+    """Like tiny_task, but seed 1's first batch waits (up to 120 s) for the file named by $QCONF_TEST_GATE:
+    a study killed while it waits has finished exactly the seed-0 runs."""
+    def batches(seed: int):
+        gate = os.environ.get(GATE)
+        deadline = time.monotonic() + 120
+        while seed == 1 and gate and not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield from _batches(seed)
+    return Task("gated", _model, batches, _loss, _evaluate, default_steps=8, default_lr=3e-3)

@@ -1,97 +1,38 @@
-"""``qconf.study.compare``: the study itself -- load the configs and check every argument, train a
-task under each qconfig and seed, and hand the :class:`~qconf.study.results.StudyResult` to the
-report writers (:mod:`qconf.study.report`).
+"""``qconf.study.compare`` and its cluster form: plan a study, run its runs (here, in ``jobs``
+worker processes, or one at a time with :func:`run_one`), and make the report from what is stored
+(:func:`collect`).
 
-Every (config, seed) run starts from ``task.make_model(seed)`` and reads ``task.batches(seed)``, so
-the configs of one seed see the same initial weights and the same data order; only the optimizer
-state format differs. Runs go seed by seed (all configs for seed 0, then seed 1, ...), so a study
-stopped with Ctrl-C still compares every config on the seeds it finished.
+Every run of one seed starts from ``task.make_model(seed)`` and reads ``task.batches(seed)``, so
+the rows of a seed see the same initial weights and the same data order; only the optimizer and
+its state format differ, and rows are compared with the reference seed by seed. Runs go seed by
+seed (every row of seed 0 first), so a study stopped early still compares every row on the seeds
+it finished. With an output directory, every run is stored under its key as it finishes
+(:mod:`qconf.study.store`): running the study again with the same ``out`` runs only what is missing.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import inspect
-import math
 import os
 import shlex
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch
-
-from ..config import load_config
-from ..config.builtin import is_builtin_name
+from .arguments import StudyArguments, build_plan, check_arguments, positive_int
+from .execute import load_plan, relabel, run_planned, run_sequential, still_to_run, stored_results, torch_threads
+from .keys import digest, model_parameters, row_identity, shared_identity
+from .parallel import run_parallel
+from .plan import StudyPlan
+from .progress import RunProgress
 from .report import write_outputs
-from .results import ConfigEntry, StudyResult
-from .runner import OPTIMIZERS, RunInterrupted, RunResult, WARMUP_FRACTION, make_optimizer, train_run
+from .results import StudyResult
+from .runner import RunInterrupted, RunResult
+from .store import FINAL, RunStore
+from .sweep import Vary
 from .task import StudyError, Task
-from .tasks import DEFAULT_TASK, resolve_task
+from .tasks import DEFAULT_TASK
 
 DEFAULT_SEEDS = 2
-FUSED_CHOICES = {"auto": None, "on": True, "off": False}
-
-
-# -- argument handling ---------------------------------------------------------------------------
-def _labels(sources: list[str]) -> list[str]:
-    """File stems, made unique by prefixing parent directories where two stems collide."""
-    labels = [Path(s).stem if s.endswith((".yml", ".yaml")) else s for s in sources]
-    depth = 1
-    while len(set(labels)) < len(labels) and depth < 8:
-        depth += 1
-        labels = [("/".join(Path(s).with_suffix("").parts[-depth:]) if labels.count(lab) > 1 else lab)
-                  for s, lab in zip(sources, labels)]
-    seen: dict[str, int] = {}
-    out = []
-    for lab in labels:  # the same file twice: number the repeats
-        seen[lab] = seen.get(lab, 0) + 1
-        out.append(lab if seen[lab] == 1 else f"{lab}#{seen[lab]}")
-    # a label is display text (plots, tables): a file name's undecodable bytes, which reach sys.argv
-    # as surrogate escapes, show as \xNN
-    return [lab.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace") for lab in out]
-
-
-def load_configs(configs: Sequence[Any] | Mapping[str, Any]) -> list[ConfigEntry]:
-    """Config paths or built-in names (or QConfig/dict objects, or a ``{label: config}`` mapping) -> entries.
-    A missing file is a :class:`StudyError`; an invalid one raises :class:`~qconf.QConfigError`."""
-    if isinstance(configs, (str, os.PathLike)):
-        configs = [configs]
-    if isinstance(configs, Mapping):
-        items = list(configs.items())
-    else:
-        items = []
-        sources = [str(c) if isinstance(c, (str, os.PathLike)) else f"config{i}" for i, c in enumerate(configs)]
-        items = list(zip(_labels(sources), configs))
-    if not items:
-        raise StudyError("no configs to compare (give at least one config file)")
-    entries = []
-    for label, cfg in items:
-        if isinstance(cfg, (str, os.PathLike)):
-            if not Path(cfg).is_file() and not is_builtin_name(cfg):  # a name: load_config resolves it
-                raise StudyError(f"config file {str(cfg)!r} not found")
-            source = str(cfg)
-        else:
-            source = f"<{type(cfg).__name__}>"
-        entries.append(ConfigEntry(str(label), source, load_config(cfg)))
-    return entries
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise StudyError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _seeds(seeds: int | Sequence[int]) -> list[int]:
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        return list(range(_positive_int("seeds", seeds)))
-    try:
-        out = [int(s) for s in seeds]
-    except (TypeError, ValueError):
-        raise StudyError(f"seeds must be a count or a list of integers, got {seeds!r}") from None
-    if not out or len(set(out)) != len(out):
-        raise StudyError(f"seeds must be a non-empty list of distinct integers, got {seeds!r}")
-    return out
 
 
 def default_out_dir() -> Path:
@@ -99,229 +40,230 @@ def default_out_dir() -> Path:
     return Path("qconf-results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAULT_TASK, *, optimizer: str = "adamw",
-            steps: int | None = None, seeds: int | Sequence[int] = DEFAULT_SEEDS, lr: float | None = None,
-            fused: str | bool | None = "auto", out: str | os.PathLike | None | bool = None,
+def plan_study(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAULT_TASK, *,
+               optimizer: str | Sequence[str] = "adamw", steps: int | None = None,
+               seeds: int | Sequence[int] = DEFAULT_SEEDS, lr: float | Mapping[str, float] | None = None,
+               fused: str | bool | None = "auto", eval_every: int | None = None, threads: int | None = 1,
+               optimizer_kwargs: Mapping[str, Any] | None = None, measure_error: bool = True,
+               vary: Sequence[str | Vary] = (), reference: str | None = None, allow_many: bool = False,
+               out: str | os.PathLike[str] | None = None, command: str | None = None) -> StudyPlan:
+    """Check the arguments and make the study's plan (rows, seeds, distinct runs and their keys);
+    with ``out``, also check that ``out`` holds no other study and write ``study.json`` there.
+    Arguments as :func:`compare`. Raises StudyError / QConfigError before anything is written."""
+    a = check_arguments(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused,
+                        eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs,
+                        measure_error=measure_error, vary=vary, reference=reference, allow_many=allow_many)
+    plan = build_plan(a)
+    plan.settings["command"] = command or equivalent_command(a, plan, out)
+    if out is not None:
+        store = RunStore(out)
+        store.check_same_study(plan)
+        store.write_plan(plan)
+    return plan
+
+
+def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAULT_TASK, *,
+            optimizer: str | Sequence[str] = "adamw", steps: int | None = None,
+            seeds: int | Sequence[int] = DEFAULT_SEEDS, lr: float | Mapping[str, float] | None = None,
+            fused: str | bool | None = "auto", out: str | os.PathLike[str] | None | bool = None,
             eval_every: int | None = None, threads: int | None = 1,
             optimizer_kwargs: Mapping[str, Any] | None = None, measure_error: bool = True, progress: bool = True,
-            announce: bool = False) -> StudyResult:
-    """Train ``task`` with each config for each seed and compare them.
+            announce: bool = False, vary: Sequence[str | Vary] = (), reference: str | None = None, jobs: int = 1,
+            allow_many: bool = False, command: str | None = None) -> StudyResult:
+    """Train ``task`` under every row (config x optimizer) and seed, and compare the rows.
 
     Args:
-        configs: config files or built-in names such as ``"default"`` (or QConfig / dict objects, or a
-            ``{label: config}`` mapping).
+        configs: config files or built-in names such as ``"default"``, each optionally
+            ``"NAME@OPTIMIZER"`` to train it with that optimizer only (or QConfig / dict objects, or a
+            ``{label: config}`` mapping). With ``vary`` the first config is the sweep's base.
         task: built-in task name (``"charlm"``, ``"digits"``), ``"module:function"`` returning a
-            :class:`Task`, or a Task.
-        optimizer: ``adamw`` | ``adam`` | ``sgd`` (momentum 0.9) | ``lion``.
-        steps, lr: training steps and (peak) learning rate; default: the task's.
+            :class:`Task`, or a Task (a Task object cannot run in worker processes: ``jobs=1``).
+        optimizer: ``adamw`` | ``adam`` | ``sgd`` (momentum 0.9) | ``lion``, or several
+            (``"adamw,lion"`` or a list): every config without ``@`` is trained by each.
+        steps: training steps; default: the task's.
+        lr: (peak) learning rate for every optimizer, or ``{optimizer: lr}``; default: the task's.
         seeds: a count K (seeds 0..K-1) or explicit seeds.
         fused: ``"auto"``/None (native kernel when built), ``"on"``/True, ``"off"``/False.
-        out: output directory (default ``qconf-results/<timestamp>``); False writes nothing.
+        out: output directory and run store (default ``qconf-results/<timestamp>``; reusing one runs
+            only what it lacks); False writes nothing (and stores nothing).
         eval_every: evaluate (and measure state errors) every N steps; default steps // 20.
-        threads: ``torch.set_num_threads`` for the study (restored afterwards); default 1 (small models:
+        threads: ``torch.set_num_threads`` for each run (restored afterwards); default 1 (small models:
             on a 2-core machine one thread was 2-20x faster than two when anything else was running);
             None keeps torch's setting.
-        optimizer_kwargs: extra optimizer arguments (e.g. ``{"eps": 1e-6}``), same for every config.
+        optimizer_kwargs: extra optimizer arguments (e.g. ``{"eps": 1e-6}``) for every optimizer, and
+            ``{optimizer: {...}}`` entries for one (``{"lion": {"weight_decay": 0.1}}``).
         measure_error: run the fp32 shadow optimizer and measure state quantization errors.
         progress: show a progress bar (tqdm, on stderr) and one line per finished run.
         announce: print the task and settings before training (the CLI does).
+        vary: ``"FIELD=V1,V2,..."`` sweeps over qconfig fields of the first config
+            (:mod:`qconf.study.sweep`): its points replace it.
+        reference: the row every other row is compared with (default: the first fp32 row, else the
+            first row).
+        jobs: runs in parallel worker processes (each with ``threads`` threads); the numbers equal
+            ``jobs=1`` bit for bit.
+        allow_many: allow a sweep of more than :data:`~qconf.study.sweep.MAX_POINTS` points.
+        command: the command line to record in the report (default: an equivalent one).
 
-    Returns a :class:`StudyResult`; on Ctrl-C the finished runs are kept, the interrupted one is
-    marked, outputs are written and ``result.interrupted`` is True (no exception).
+    Returns a :class:`StudyResult`; on Ctrl-C the finished runs are kept, the interrupted ones are
+    marked, outputs are written and ``result.interrupted`` is True (no exception). A run that
+    crashes is recorded as ``crashed`` and the study goes on.
     Raises :class:`StudyError` / :class:`~qconf.QConfigError` before training on bad arguments.
     """
-    a = _check_arguments(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused, out=out,
-                         eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs)
-    settings = _settings(a)
-    settings["command"] = _equivalent_command(a.entries, task, settings, a.out_dir, measure_error)
-    result = StudyResult(a.task, a.entries, settings, started=_now())
-    if announce:
-        _announce(a, settings)
-    _run_all(result, a, measure_error, progress)
-    result.finished = _now()
-    if a.out_dir is not None:
-        write_outputs(result, a.out_dir)
-        result.out = a.out_dir
+    positive_int("jobs", jobs)
+    out_dir = None if out is False else Path(default_out_dir() if out in (None, True) else out)
+    if jobs > 1 and not isinstance(task, str):
+        raise StudyError("jobs > 1 needs the task by name or 'module:function' (worker processes rebuild it)")
+    with tempfile.TemporaryDirectory(prefix="qconf-study-") as scratch:
+        store_dir = out_dir if out_dir is not None else (Path(scratch) if jobs > 1 else None)
+        plan = plan_study(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused,
+                          eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs,
+                          measure_error=measure_error, vary=vary, reference=reference, allow_many=allow_many,
+                          out=store_dir, command=command)
+        store = RunStore(store_dir) if store_dir is not None else None
+        started = _now()
+        results = stored_results(plan, store)
+        todo = still_to_run(plan, results)
+        if announce:
+            _announce(plan, len(plan.runs()) - len(todo), len(todo), jobs, out_dir)
+        bar = RunProgress(len(todo), plan.run_settings.steps, progress)
+        try:
+            if jobs > 1 and len(todo) > 1:
+                interrupted = run_parallel(plan, store_dir, todo, jobs, bar, results)
+            else:
+                interrupted = run_sequential(plan, todo, store, bar, results)
+        finally:
+            bar.close()
+    result = _result(plan, results, started, interrupted)
+    if out_dir is not None:
+        write_outputs(result, out_dir)
+        result.out = out_dir
     return result
 
 
-@dataclasses.dataclass(frozen=True)
-class _Arguments:
-    """:func:`compare`'s arguments after validation, defaults filled in (what every run uses)."""
-
-    entries: list[ConfigEntry]
-    task: Task
-    optimizer: str
-    steps: int
-    seeds: list[int]
-    lr: float
-    fused: bool | None
-    eval_every: int
-    threads: int | None
-    kwargs: dict[str, Any]
-    out_dir: Path | None
-
-
-def _fused_flag(fused: str | bool | None) -> bool | None:
-    """``"auto"``/``"on"``/``"off"`` or None/True/False -> None/True/False; StudyError otherwise."""
-    if isinstance(fused, str):
-        if fused not in FUSED_CHOICES:
-            raise StudyError(f"fused must be one of {', '.join(FUSED_CHOICES)}, got {fused!r}")
-        fused = FUSED_CHOICES[fused]
-    if fused not in (None, True, False):
-        raise StudyError(f"fused must be 'auto', 'on', 'off', None, True or False, got {fused!r}")
-    return fused
-
-
-def _check_optimizer(optimizer: str, kwargs: dict[str, Any], lr: float, fused: bool | None,
-                     entries: list[ConfigEntry]) -> None:
-    """StudyError for an argument ``optimizer`` does not take, or one it rejects (built once on a probe
-    parameter, so that fused=True without the extension also fails here, not mid-study)."""
-    accepted = [n for n, a in inspect.signature(OPTIMIZERS[optimizer]).parameters.items()
-                if n not in ("self", "params", "lr", "qconfig", "fused") and a.kind is not a.VAR_KEYWORD]
-    unknown = [k for k in kwargs if k not in accepted]
-    if unknown:
-        raise StudyError(f"{optimizer} has no argument {unknown[0]!r} (accepted: {', '.join(accepted)})")
+def run_one(out: str | os.PathLike[str], index: int, *, progress: bool = True) -> RunResult:
+    """Run the plan's run ``index`` (``qconf compare --run-one INDEX --out DIR``) and store it;
+    a run already stored with a final status is not run again (its stored result is returned).
+    StudyError for an index outside the plan or a run whose key differs here (another qconf, torch
+    or task data than the plan's)."""
+    plan = load_plan(out)
+    runs = plan.runs()
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(runs):
+        raise StudyError(f"run index {index!r} is not in the plan (0..{len(runs) - 1}; qconf compare --plan lists them)")
+    run = runs[index]
+    _check_key_here(plan, run)
+    store = RunStore(out)
+    stored = store.load(run.key)
+    if stored is not None and stored.status in FINAL:
+        return stored
+    bar = RunProgress(1, plan.run_settings.steps, progress)
+    bar.start(run)
     try:
-        make_optimizer(optimizer, [("probe", torch.nn.Parameter(torch.zeros(2)))], lr=lr,
-                       qconfig=entries[0].config, fused=fused, kwargs=kwargs)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise StudyError(f"{optimizer} optimizer: {' '.join(str(e).split())}") from None
-
-
-def _check_arguments(configs: Sequence[Any] | Mapping[str, Any], task: str | Task, *, optimizer: str,
-                     steps: int | None, seeds: int | Sequence[int], lr: float | None, fused: str | bool | None,
-                     out: str | os.PathLike | None | bool, eval_every: int | None, threads: int | None,
-                     optimizer_kwargs: Mapping[str, Any] | None) -> _Arguments:
-    """Validate everything before the first step (the first problem raises StudyError or
-    QConfigError) and fill in the task's defaults."""
-    entries = load_configs(configs)
-    if optimizer not in OPTIMIZERS:
-        raise StudyError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
-    fused = _fused_flag(fused)
-    seed_list = _seeds(seeds)
-    if threads is not None:
-        _positive_int("threads", threads)
-    task_obj = resolve_task(task)
-    steps = _positive_int("steps", task_obj.default_steps if steps is None else steps)
-    lr = task_obj.default_lr if lr is None else lr
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise StudyError(f"lr must be a positive number, got {lr!r}")
-    eval_every = _positive_int("eval_every", max(1, steps // 20) if eval_every is None else eval_every)
-    kwargs = dict(optimizer_kwargs or {})
-    _check_optimizer(optimizer, kwargs, lr, fused, entries)
-    out_dir = None if out is False else Path(default_out_dir() if out in (None, True) else out)
-    return _Arguments(entries, task_obj, optimizer, steps, seed_list, lr, fused, eval_every, threads, kwargs, out_dir)
-
-
-def _settings(a: _Arguments) -> dict[str, Any]:
-    """The study's settings as recorded in results.json and report.md (without ``command``)."""
-    return {"task": a.task.name, "optimizer": a.optimizer, "steps": a.steps, "seeds": a.seeds, "lr": a.lr,
-            "lr_schedule": getattr(a.task.lr_schedule, "__name__", None) if a.task.lr_schedule else "constant",
-            "fused": {None: "auto", True: "on", False: "off"}[a.fused], "eval_every": a.eval_every,
-            "threads": a.threads or torch.get_num_threads(), "optimizer_kwargs": a.kwargs,
-            "optimizer_defaults": _optimizer_defaults(a.optimizer, a.kwargs),
-            "divergence": f"non-finite train/eval loss, or eval loss above the initial eval loss after "
-                          f"{WARMUP_FRACTION:.0%} of the steps",
-            "torch": torch.__version__}
-
-
-def _announce(a: _Arguments, settings: dict[str, Any]) -> None:
-    """The two lines the CLI prints before training: the task, and what will run."""
-    print(f"task {a.task.name}: {a.task.description}")
-    print(f"{len(a.entries)} config(s) x {len(a.seeds)} seed(s) x {a.steps} steps; {a.optimizer}, lr {a.lr:g} "
-          f"({settings['lr_schedule']}), fused {settings['fused']}, {settings['threads']} thread(s)"
-          + (f"; writing to {a.out_dir}" if a.out_dir is not None else ""), flush=True)
-
-
-def _run_all(result: StudyResult, a: _Arguments, measure_error: bool, progress: bool) -> None:
-    """Every (seed, config) run, seed by seed, appended to ``result.runs``. Ctrl-C keeps what is
-    done and sets ``result.interrupted``; torch's thread count is restored afterwards."""
-    previous_threads = torch.get_num_threads()
-    if a.threads is not None:
-        torch.set_num_threads(a.threads)
-    bar = _progress_bar(len(a.entries) * len(a.seeds) * a.steps, progress)
-    try:
-        for seed in a.seeds:
-            for entry in a.entries:
-                def on_step(step: int, loss: float, _label: str = entry.label, _seed: int = seed) -> None:
-                    bar.update(1)
-                    if step % 10 == 0 or step == 1:
-                        bar.set_postfix_str(f"{_label} seed {_seed} loss {loss:.3f}", refresh=False)
-
-                run = train_run(a.task, entry.config, entry.label, seed, optimizer=a.optimizer, steps=a.steps,
-                                lr=a.lr, fused=a.fused, eval_every=a.eval_every, optimizer_kwargs=a.kwargs,
-                                measure_error=measure_error, on_step=on_step)
-                result.runs.append(run)
-                bar.update(a.steps - run.steps_done)
-                if progress:
-                    bar.write(_run_line(run))
+        with torch_threads(plan.run_settings.threads):
+            result = run_planned(plan, run, store, bar.on_step)
     except RunInterrupted as stop:
-        result.runs.append(stop.result)
-        result.interrupted = True
-        if progress:
-            bar.write(f"interrupted: {stop.result.config} seed {stop.result.seed} "
-                      f"({stop.result.steps_done}/{a.steps} steps); writing what is done")
-    except KeyboardInterrupt:  # between runs
-        result.interrupted = True
+        return stop.result
     finally:
         bar.close()
-        torch.set_num_threads(previous_threads)
+    return result
 
 
-def _equivalent_command(entries: list[ConfigEntry], task: Any, settings: dict[str, Any], out: Path | None,
-                        measure_error: bool) -> str | None:
-    """The explicit ``qconf compare`` command that repeats this study (None for in-memory configs/tasks)."""
-    if not isinstance(task, str) or any(e.source.startswith("<") for e in entries):
+def collect(out: str | os.PathLike[str], *, write: bool = True) -> StudyResult:
+    """The table and report of the study in ``out`` from the runs stored there (``--collect``); runs
+    not stored yet are listed as not run."""
+    plan = load_plan(out)
+    store = RunStore(out)
+    result = _result(plan, stored_results(plan, store), "", False)
+    if write:
+        write_outputs(result, Path(out))
+        result.out = Path(out)
+    return result
+
+
+def _check_key_here(plan: StudyPlan, run: Any) -> None:
+    """The run's key recomputed in this process must equal the plan's (same qconf, torch, task data)."""
+    row = plan.row(run.rows[0])
+    s = plan.run_settings
+    shared = shared_identity(plan.task, plan.task_spec, steps=s.steps, eval_every=s.eval_every, fused=s.fused,
+                             threads=s.threads, measure_error=s.measure_error)
+    named = model_parameters(plan.task, run.seed, row.config)
+    row_digest = digest(row_identity(named, row.config, row.optimizer, row.lr, row.kwargs, s.fused))
+    if digest(shared) != digest(plan.shared) or row_digest != row.digest:
+        differ = ", ".join(k for k in shared if shared[k] != plan.shared.get(k)) or "the model or optimizer"
+        raise StudyError(f"run {run.index} would not reproduce the plan here ({differ} differ from the plan's): "
+                         "run it with the qconf, torch and task data the study was planned with")
+
+
+def _result(plan: StudyPlan, results: dict[str, RunResult], started: str, interrupted: bool) -> StudyResult:
+    return StudyResult(plan.task, plan.rows, plan.settings, relabel(plan, results), plan.reference, plan.varied,
+                       interrupted=interrupted, started=started, finished=_now())
+
+
+def equivalent_command(a: StudyArguments, plan: StudyPlan, out: Any) -> str | None:
+    """The explicit ``qconf compare`` command that repeats this study (None for in-memory configs or
+    tasks, or explicit seed lists)."""
+    if plan.task_spec is None or not a.sources or any(e.source.startswith("<") for e in a.entries):
         return None
-    argv = ["qconf", "compare", *(e.source for e in entries), "--task", task, "--optimizer", settings["optimizer"],
-            "--steps", str(settings["steps"]), "--seeds", str(len(settings["seeds"])), "--lr", repr(settings["lr"]),
-            "--fused", settings["fused"], "--eval-every", str(settings["eval_every"])]
-    if settings["seeds"] != list(range(len(settings["seeds"]))):
+    if a.seeds != list(range(len(a.seeds))):
         return None  # explicit seed lists have no CLI spelling
-    if settings["threads"] is not None:
-        argv += ["--threads", str(settings["threads"])]
-    for k, v in settings["optimizer_kwargs"].items():
-        argv += ["--opt-arg", f"{k}={','.join(map(str, v)) if isinstance(v, (tuple, list)) else v}"]
-    if not measure_error:
+    s = plan.run_settings
+    argv = ["qconf", "compare", *a.sources]
+    for v in a.varies:
+        argv += ["--vary", f"{v.field}={','.join(v.texts)}"]
+    argv += ["--task", plan.task_spec, "--optimizer", ",".join(a.optimizers), "--steps", str(s.steps),
+             "--seeds", str(len(a.seeds))]
+    lrs = {repr(x) for x in a.lrs.values()}
+    argv += ["--lr", lrs.pop() if len(lrs) == 1 else ",".join(f"{o}={x!r}" for o, x in a.lrs.items())]
+    argv += ["--fused", plan.settings["fused"], "--eval-every", str(s.eval_every), "--threads", str(s.threads)]
+    common = {k: v for k, v in a.kwargs[a.used[0]].items() if all(a.kwargs[o].get(k, _MISSING) == v for o in a.used)}
+    for k, v in common.items():
+        argv += ["--opt-arg", f"{k}={_arg_text(v)}"]
+    for o in a.used:
+        for k, v in a.kwargs[o].items():
+            if k not in common:
+                argv += ["--opt-arg", f"{o}:{k}={_arg_text(v)}"]
+    if a.reference is not None:
+        argv += ["--reference", a.reference]
+    if not s.measure_error:
         argv.append("--no-qerr")
+    if a.allow_many:
+        argv.append("--yes")
     if out is not None:
         argv += ["--out", str(out)]
-    return " ".join(shlex.quote(a) for a in argv)
+    return " ".join(shlex.quote(x) for x in argv)
 
 
-def _optimizer_defaults(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The hyperparameters the runs actually used (the optimizer's defaults + study defaults + kwargs)."""
-    opt = make_optimizer(name, [torch.nn.Parameter(torch.zeros(2))], lr=1.0, qconfig={}, fused=False,
-                         kwargs=dict(kwargs))
-    group = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "lr", "param_names")}
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}
+_MISSING = object()
 
 
-def _run_line(run: RunResult) -> str:
-    final = run.final_eval
-    text = f"{run.config} seed {run.seed}: "
-    if final is not None:
-        text += f"eval loss {final['loss']:.4f}"
-        text += "".join(f", {k} {v:.4f}" for k, v in final.items() if k not in ("step", "loss"))
-    text += f" [{run.status}{': ' + run.reason if run.reason else ''}] {run.wall_s:.1f} s"
-    return text
+def _arg_text(v: Any) -> str:
+    return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+
+
+def _announce(plan: StudyPlan, cached: int, todo: int, jobs: int, out: Path | None) -> None:
+    """What the CLI prints before training: the task, and what will run."""
+    s = plan.settings
+    runs = len(plan.runs())
+    shared = len(plan.rows) * len(plan.seeds) - runs
+    print(f"task {plan.task.name}: {plan.task.description}")
+    lrs = ", ".join(f"{o} lr {x:g}" for o, x in s["lr"].items())
+    print(f"{len(plan.rows)} row(s) x {len(plan.seeds)} seed(s) x {plan.run_settings.steps} steps; {lrs} "
+          f"({s['lr_schedule']}), fused {s['fused']}, {s['threads']} thread(s) per run"
+          + (f"; writing to {out}" if out is not None else ""))
+    points = [r for r in plan.rows if r.changes]
+    if points:
+        base = points[0].entry.source.removesuffix(" --vary")
+        print(f"sweep of {base}: {len(points)} row(s) over " + " x ".join(f"{f} ({len(v)})" for f, v in plan.varied))
+        if len({r.digest for r in points}) < len(points):
+            print(f"note: only {len({r.digest for r in points})} of them differ in what they train: the others resolve "
+                  "to the same codecs and share their runs (e.g. group_size under a rank-1 or tensor scale, or a "
+                  "field of a state that is disabled or that the optimizer does not keep)")
+    print(f"{runs} distinct run(s)" + (f" ({shared} shared by rows that resolve to the same codecs)" if shared else "")
+          + (f"; {cached} already in {out}" if cached else "") + f"; running {todo}"
+          + (f" in {min(jobs, todo)} processes" if jobs > 1 and todo > 1 else ""), flush=True)
 
 
 def _now() -> str:
     return datetime.datetime.now().isoformat(timespec="seconds")
 
 
-class _NoBar:
-    def update(self, n: int = 1) -> None: ...
-    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None: ...
-    def write(self, s: str) -> None: ...
-    def close(self) -> None: ...
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="step", desc="qconf compare", dynamic_ncols=True, smoothing=0.1, mininterval=0.5)
+__all__ = ["compare", "plan_study", "run_one", "collect", "default_out_dir", "DEFAULT_SEEDS"]

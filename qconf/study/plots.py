@@ -1,16 +1,20 @@
-"""The PNG plots of a study: curves.png (eval and train loss per config), summary.png (state
-bytes/param and final eval loss, bars) and qerror.png (each state's quantization error against the
-fp32 shadow over the steps). Needs matplotlib (the ``[study]`` extra); without it there are no plots.
+"""The PNG plots of a study: curves.png (eval and train loss per row), summary.png (state
+bytes/param and final eval loss, bars), qerror.png (each state's quantization error against the
+fp32 shadow over the steps) and, for a sweep, sweep.png (:mod:`qconf.study.sweep_plot`). Needs
+matplotlib (the ``[study]`` extra); without it there are no plots.
 """
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from .results import ConfigEntry, StudyResult
+from .plan import Row
+from .results import StudyResult
 from .runner import RunResult
+from .sweep_plot import plot_sweep
 
 
 def write_plots(result: StudyResult, out: Path) -> list[Path]:
@@ -25,16 +29,21 @@ def write_plots(result: StudyResult, out: Path) -> list[Path]:
         return []
     if not result.runs:
         return []
-    colors = {c.label: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(result.configs)}
+    colors = {c.label: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(result.rows)}
     paths = [_plot_curves(result, out / "curves.png", colors, plt), _plot_summary(result, out / "summary.png", colors, plt)]
     if result.state_names():
         paths.append(_plot_qerror(result, out / "qerror.png", colors, plt))
+    sweep = plot_sweep(result, out / "sweep.png", plt)
+    if sweep is not None:
+        paths.append(sweep)
     return paths
 
 
 def _save(fig: Any, path: Path, dpi: int, plt: Any) -> Path:
     """Lay out ``fig``, write it to ``path`` as PNG and close it."""
-    fig.tight_layout()
+    with warnings.catch_warnings():  # many rows: the legends may not fit; the figure is still drawn
+        warnings.filterwarnings("ignore", "Tight layout not applied", UserWarning)
+        fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
@@ -68,7 +77,7 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _curves_stable(axes: Sequence[Any], c: ConfigEntry, stable: list[RunResult], color: Any, marker: str,
+def _curves_stable(axes: Sequence[Any], c: Row, stable: list[RunResult], color: Any, marker: str,
                    window: int, half: float) -> list[float]:
     """Mean ± std bands of the runs that did not diverge: eval loss on the full and the zoomed
     panel, smoothed train loss on the third. Returns the band edges from the second half (zoom range)."""
@@ -88,7 +97,7 @@ def _curves_stable(axes: Sequence[Any], c: ConfigEntry, stable: list[RunResult],
     return zoom
 
 
-def _curves_diverged(ax_e: Any, ax_t: Any, c: ConfigEntry, diverged: list[RunResult], color: Any, window: int,
+def _curves_diverged(ax_e: Any, ax_t: Any, c: Row, diverged: list[RunResult], color: Any, window: int,
                      cap: float | None) -> None:
     """Each diverged run dashed, ending in an x (values above ``cap`` drawn at the cap)."""
     for i, r in enumerate(diverged):
@@ -151,7 +160,7 @@ def _plot_curves(result: StudyResult, path: Path, colors: dict, plt) -> Path:
     initial = [r.eval[0]["loss"] for r in result.runs if r.eval and math.isfinite(r.eval[0]["loss"])]
     cap = 1.5 * max(initial) if initial else None
     zoom: list[float] = []
-    for c in result.configs:
+    for c in result.rows:
         runs = result.runs_of(c.label)
         stable = [r for r in runs if not r.diverged]
         if stable:
@@ -164,7 +173,7 @@ def _plot_curves(result: StudyResult, path: Path, colors: dict, plt) -> Path:
 def _markers(result: StudyResult) -> dict[str, str]:
     """One marker shape per config, so overlapping curves stay distinguishable."""
     shapes = "osD^vPX<>*"
-    return {c.label: shapes[i % len(shapes)] for i, c in enumerate(result.configs)}
+    return {c.label: shapes[i % len(shapes)] for i, c in enumerate(result.rows)}
 
 
 def _plain_log_ticks(ax) -> None:
@@ -231,7 +240,7 @@ def _plot_qerror(result: StudyResult, path: Path, colors: dict, plt) -> Path:
         ax.set_visible(False)
     for ax, state in zip(axes.flat, states):
         drawn = False
-        for c in result.configs:
+        for c in result.rows:
             color = colors[c.label]
             runs = [r for r in result.runs_of(c.label) if not r.diverged and state in r.qerr]
             if runs:

@@ -2,11 +2,13 @@
 through :mod:`qconf.study.plots`, the PNG plots.
 
     out/results.json   everything: settings, resolved configs, summary, every run with its curves
-    out/results.csv    one row per config: the summary columns
+    out/results.csv    one row per row of the table: the summary columns
     out/report.md      the table, the settings, the exact command, an automatic reading, the plots
     out/curves.png     eval loss (mean ± std band over seeds) and smoothed train loss per config
     out/summary.png    state bytes/param and final eval loss per config (bars)
     out/qerror.png     quantization error of each state against the fp32 shadow, over the steps
+    out/sweep.png      a sweep's final eval loss against its field's values (one field), or a heatmap
+                       over two fields (one panel per value of any further field and per optimizer)
 
 Non-finite numbers (a diverged loss) are written as null in JSON and empty cells in CSV; the
 run's ``reason`` says what happened.
@@ -21,10 +23,13 @@ from typing import Any, Sequence
 
 from .plots import write_plots
 from .results import StudyResult
+from .stats import FEW_SEEDS, t_quantile
 
 #: text outputs are UTF-8 whatever the locale; a file name's undecodable bytes (surrogate escapes in
 #: ``sys.argv`` under an ASCII or mismatched locale) are written as ``\udcXX`` instead of failing
 TEXT = {"encoding": "utf-8", "errors": "backslashreplace"}
+#: longer lists of rows in the reading become counts (the table has every row)
+MAX_LISTED = 6
 
 
 def write_outputs(result: StudyResult, out: Path) -> list[Path]:
@@ -58,7 +63,7 @@ def _write_json(result: StudyResult, path: Path) -> Path:
 
 def _write_csv(result: StudyResult, path: Path) -> Path:
     rows = result.summary()
-    fields = list(rows[0]) if rows else ["config"]
+    fields = list(dict.fromkeys(k for row in rows for k in row)) or ["config"]  # sweep columns vary by row
     with path.open("w", newline="", **TEXT) as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -80,44 +85,39 @@ def _md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str)
 
 
 def reading(result: StudyResult) -> list[str]:
-    """A short automatic reading of the results: best config, gaps to the fp32 baseline,
-    divergences, memory. One markdown bullet per line."""
+    """A short automatic reading of the results: best row, paired verdicts against the reference,
+    divergences, crashes, memory. One markdown bullet per line."""
     rows = {r["config"]: r for r in result.summary()}
     lines: list[str] = []
     done = [r for r in rows.values() if r["final_loss_mean"] is not None]
     if not done:
-        lines.append("No config finished a run without diverging: there is nothing to rank.")
+        lines.append("No row finished a run without diverging: there is nothing to rank.")
     best = result.best()
     if best is not None:
         b = rows[best]
-        among = "configs that never diverged" if not b["seeds_diverged"] else "all configs (every one diverged somewhere)"
+        among = "rows that never diverged" if not b["seeds_diverged"] else "all rows (every one diverged somewhere)"
         lines.append(f"Lowest mean final eval loss among {among}: **{best}** "
                      f"({b['final_loss_mean']:.4f} ± {b['final_loss_std']:.4f} over {b['seeds_ok']} seed(s)).")
-    base = result.baseline()
-    if base is not None and rows[base.label]["final_loss_mean"] is not None:
-        ref = rows[base.label]
-        for r in done:
-            if r["config"] == base.label:
-                continue
-            if r["vs_baseline_mean"] is None:
-                continue
-            diff, std, n = r["vs_baseline_mean"], r["vs_baseline_std"], r["vs_baseline_seeds"]
-            if n < 2:
-                verdict = "one seed, no noise estimate"
-            elif abs(diff) <= std:
-                verdict = "within seed noise"
-            else:
-                verdict = "worse" if diff > 0 else "better"
-            lines.append(f"{r['config']} vs {base.label}: final eval loss {diff:+.4f} ± {std:.4f} "
-                         f"({diff / ref['final_loss_mean']:+.2%}; paired over {n} seed(s): {verdict}); states "
-                         f"{r['state_bytes_per_param']:.2f} vs {ref['state_bytes_per_param']:.2f} B/param.")
+    lines += _verdict_lines(result, rows)
+    shared = result.shared_runs()
+    if len(shared) > MAX_LISTED:
+        lines.append(f"{len(shared)} rows resolve to the same codecs as an earlier row and share its runs (identical "
+                     "numbers; `same_runs_as` in results.csv names it).")
+    elif shared:
+        lines.append("Same codecs, run once (identical numbers): " + ", ".join(
+            f"{label} = {first}" for label, first in shared.items()) + ".")
     unstable = [r for r in rows.values() if r["seeds_diverged"]]
-    if unstable:
-        for r in unstable:
-            lines.append(f"**{r['config']} diverged in {r['seeds_diverged']} of {r['seeds_finished']} seeds** "
-                         f"({r['diverged_reasons']}).")
-    elif any(r["seeds_finished"] for r in rows.values()):
+    for r in unstable:
+        reasons = r["diverged_reasons"] if len(unstable) <= MAX_LISTED else "at steps " + ", ".join(
+            str(x.diverged_at) for x in result.runs_of(r["config"]) if x.diverged)
+        lines.append(f"**{r['config']} diverged in {r['seeds_diverged']} of {r['seeds_finished']} seeds** "
+                     f"({reasons}).")
+    if not unstable and any(r["seeds_finished"] for r in rows.values()):
         lines.append("No run diverged.")
+    for r in rows.values():
+        if r["seeds_crashed"]:
+            lines.append(f"**{r['config']} crashed in {r['seeds_crashed']} seed(s)** ({r['crashed_reasons']}); "
+                         "running the study again with the same --out retries crashed runs.")
     sized = [r for r in rows.values() if r["state_bytes_per_param"] is not None]
     if sized:
         small = min(sized, key=lambda r: r["state_bytes_per_param"])
@@ -126,12 +126,53 @@ def reading(result: StudyResult) -> list[str]:
     if "qerr_v_zero_mean" in next(iter(rows.values()), {}):
         hit = [r for r in rows.values() if (r.get("qerr_v_zero_mean") or 0) > 0]
         if hit:
+            listed = (", ".join(f"{r['config']} {r['qerr_v_zero_mean']:.2%}" for r in hit) if len(hit) <= MAX_LISTED
+                      else f"{len(hit)} rows, from {min(r['qerr_v_zero_mean'] for r in hit):.2%} to "
+                           f"{max(r['qerr_v_zero_mean'] for r in hit):.2%} (the v_zero column)")
             lines.append("Second-moment entries that are positive in fp32 but stored as exactly 0 (the zero-point "
-                         "problem, update m/eps): " + ", ".join(f"{r['config']} {r['qerr_v_zero_mean']:.2%}"
-                                                                for r in hit) + ".")
+                         f"problem, update m/eps): {listed}.")
     if result.interrupted:
-        lines.append("**The study was interrupted (Ctrl-C)**: only the finished runs are summarized; see the "
-                     "runs table for the interrupted one.")
+        lines.append("**The study was interrupted (Ctrl-C)**: only the finished runs are summarized; running it "
+                     "again with the same --out continues it.")
+    return lines
+
+
+def _verdict_lines(result: StudyResult, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The verdicts against the reference, grouped, and what the number of seeds can resolve."""
+    ref = result.reference_row()
+    if ref is None or rows[ref.label]["final_loss_mean"] is None:
+        return []
+    groups: dict[str, list[str]] = {}
+    for r in rows.values():
+        if r["verdict"] not in (None, "reference"):
+            text = r["config"]
+            if r["vs_ref_mean"] is not None:
+                text += f" ({r['vs_ref_mean']:+.4f}" + (f", p {r['vs_ref_p']:.2g}" if r["vs_ref_p"] is not None else "") + ")"
+            groups.setdefault(r["verdict"], []).append(text)
+    why = "" if result.settings.get("reference_given") else (" (the first row that quantizes nothing)" if not ref.quantized
+                                                             else " (no row quantizes nothing: the first row)")
+    lines = [f"Reference: **{ref.label}**{why}; final eval loss {rows[ref.label]['final_loss_mean']:.4f}."]
+    for verdict in ("better", "worse", "within noise", "identical", "unstable", "too few seeds"):
+        if verdict in groups:
+            listed = groups[verdict] if len(groups[verdict]) <= MAX_LISTED or verdict in ("better", "worse") else []
+            lines.append(f"*{verdict}* vs {ref.label}: " + ("; ".join(listed) if listed else
+                                                             f"{len(groups[verdict])} rows (see the table)") + ".")
+    tested = {row.digest for row in result.rows if rows[row.label]["vs_ref_p"] is not None
+              and row.label != ref.label and row.digest != ref.digest}
+    if len(tested) >= 5:
+        lines.append(f"**{len(tested)} distinct comparisons** at the 5% level: about {len(tested) / 20:.1f} 'better' or "
+                     "'worse' verdicts are expected by chance alone even if no row differed; p < "
+                     f"{0.05 / len(tested):.2g} (Bonferroni) would survive a correction for all of them.")
+    n = max((r["vs_ref_seeds"] for r in rows.values() if r["verdict"] not in (None, "reference")), default=0)
+    if n < 2:
+        lines.append(f"**Too few seeds to tell**: {n} paired seed(s) give no spread, so no interval and no verdict; "
+                     f"use --seeds {FEW_SEEDS} or more.")
+    elif n < FEW_SEEDS:
+        half = [r["vs_ref_half_width"] for r in rows.values() if r["vs_ref_half_width"]]
+        lines.append(f"**Few seeds**: with {n} paired seeds the 95% interval is the mean ± {t_quantile(0.975, n - 1):.2f}"
+                     " standard errors" + (f" (here ± {min(half):.4f} to ± {max(half):.4f} nats)" if half else "")
+                     + "; 'within noise' only says that differences below that are not resolved. "
+                     f"{FEW_SEEDS} or more seeds are the usual minimum.")
     return lines
 
 
@@ -140,45 +181,67 @@ def _write_report(result: StudyResult, path: Path, plots: list[str]) -> Path:
     task = result.task
     headers, rows, align = result.table_rows()
     command = s.get("command") or "# library call (qconf.study.compare) with in-memory configs, task or seeds"
-    hyper = ", ".join(f"{k}={v}" for k, v in s["optimizer_defaults"].items())
     parts = [
         f"# qconf compare: {task.name}" + (" (interrupted)" if result.interrupted else ""),
-        "",
-        f"Started {result.started}, finished {result.finished}; torch {s['torch']}.",
         "",
         "```bash",
         command,
         "```",
         "",
+        (f"Started {result.started}, finished" if result.started else "Collected") + f" {result.finished}; "
+        f"torch {s['torch']}.",
+        "",
         "## Settings",
         "",
         f"- **task** `{task.name}`: {task.description}",
-        f"- **optimizer** {s['optimizer']} (lr {s['lr']:g}, schedule {s['lr_schedule']}; {hyper}); "
-        f"fused kernel: {s['fused']}; {s['threads']} thread(s)",
-        f"- **steps** {s['steps']}, **seeds** {', '.join(map(str, s['seeds']))} (each config x seed starts from "
-        "the same initial weights and reads the same batches); eval every "
-        f"{s['eval_every']} steps",
+    ]
+    for name in s["optimizers"]:
+        hyper = ", ".join(f"{k}={v}" for k, v in s["optimizer_defaults"][name].items())
+        parts.append(f"- **optimizer** {name}: lr {s['lr'][name]:g} (schedule {s['lr_schedule']}); {hyper}")
+    parts += [
+        f"- fused kernel: {s['fused']}; {s['threads']} thread(s) per run",
+        f"- **steps** {s['steps']}, **seeds** {', '.join(map(str, s['seeds']))} (every row of a seed starts from "
+        f"the same initial weights and reads the same batches); eval every {s['eval_every']} steps",
         f"- **divergence**: {s['divergence']}",
     ]
+    if s.get("vary"):
+        parts.append("- **sweep**: " + " x ".join(f"`{f}` = {', '.join(v)}" for f, v in s["vary"].items())
+                     + f" ({math.prod(len(v) for v in s['vary'].values())} points)")
     if task.baselines:
         parts.append("- **reference losses**: " + ", ".join(f"{k} {v:.4f}" for k, v in task.baselines.items()))
-    parts.append("- **configs**: " + ", ".join(f"`{c.label}` ({c.source})" for c in result.configs))
-    parts += ["", "## Results", "", _md_table(headers, rows, align), "",
-              "Mean ± std over the seeds that finished without diverging. *state B/param*: optimizer state bytes "
-              "per parameter (`qconf.memory_report`). *train B/param*: parameters + gradients + states per parameter "
-              "(with gradient release one gradient at a time: docs/memory.md). *vs BASELINE (paired)*: final eval loss minus the quantization-free "
-              "config's on the same seed (same initial weights and batches), mean ± std over seeds -- less noisy than "
-              "comparing the means. *unstable*: share of seeds that diverged. *ms/step*: median "
-              "train step (batch, forward, backward, optimizer step) after the first steps; *opt ms/step*: the "
-              "optimizer step alone. *err STATE*: normalized squared error `sum((decode(q)-s)^2)/sum(s^2)` of the "
-              "state against an fp32 shadow optimizer fed the same gradients, at the last evaluation (error columns "
-              "include diverged seeds, at their last finite measurement); *err update*: "
-              "the same for the Adam update direction m/(sqrt(v)+eps); *v_zero*: share of positive fp32 second-moment "
-              "entries stored as 0.", "", "## Reading", ""]
+    parts.append("- **rows**: " + ", ".join(f"`{c.label}` ({c.source})" for c in result.rows)
+                 + "; each row's resolved config is in `configs/`")
+    parts += ["", "## Results", "", _md_table(headers, rows, align), "", RESULTS_LEGEND]
+    if result.varied:
+        parts += ["", "## Sweep", "", "The rows above by the values of the swept fields (a point's config label is "
+                  "its base's; rows that are not points have empty field cells):", "",
+                  _md_table(*result.sweep_table_rows())]
+    parts += ["", "## Reading", ""]
     parts += [f"- {line}" for line in reading(result)]
     if plots:
         parts += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    parts += ["", "## Runs", ""]
+    parts += ["", "## Runs", "", _runs_table(result), ""]
+    path.write_text("\n".join(parts), **TEXT)
+    return path
+
+
+RESULTS_LEGEND = (
+    "Mean ± std over the seeds that finished without diverging. *state B/param*: optimizer state bytes per parameter "
+    "(`qconf.memory_report`). *train B/param*: parameters + gradients + states per parameter (with gradient release "
+    "one gradient at a time: docs/memory.md). *vs REF (paired, 95% CI)*: final eval loss minus the reference row's "
+    "on the same seed (same initial weights and batches), mean over the n seeds both finished ± the half-width of "
+    "its 95% t interval; *p*: the paired t-test's p-value; *verdict*: *better* / *worse* when the interval lies "
+    "below / above 0, *within noise* when it holds 0, *identical* when every seed gave the same loss (the same runs), "
+    "*unstable* when the row diverged on a seed, *too few seeds* below 2 pairs. *unstable*: share of seeds that "
+    "diverged. *ms/step*: median train step (batch, forward, backward, optimizer step) after the first steps; "
+    "*opt ms/step*: the optimizer step alone. *err STATE*: normalized squared error `sum((decode(q)-s)^2)/sum(s^2)` "
+    "of the state against an fp32 shadow optimizer fed the same gradients, at the last evaluation (error columns "
+    "include diverged seeds, at their last finite measurement); *err update*: the same for the Adam update "
+    "direction m/(sqrt(v)+eps); *v_zero*: share of positive fp32 second-moment entries stored as 0.")
+
+
+def _runs_table(result: StudyResult) -> str:
+    """Every row x seed: status, steps, losses, timing; the ones without a result as not run."""
     run_rows = []
     for r in result.runs:
         final = r.final_eval
@@ -186,11 +249,11 @@ def _write_report(result: StudyResult, path: Path, plots: list[str]) -> Path:
                          "-" if final is None else f"{final['loss']:.4f}",
                          "-" if r.best_eval_loss is None else f"{r.best_eval_loss:.4f}",
                          "-" if r.step_ms is None else f"{r.step_ms:.1f}", f"{r.wall_s:.1f}", r.reason])
-    planned = {(c.label, seed) for c in result.configs for seed in s["seeds"]}
-    for label, seed in sorted(planned - {(r.config, r.seed) for r in result.runs}):
-        run_rows.append([label, seed, "not run", 0, "-", "-", "-", "-", "study interrupted before this run"])
-    parts.append(_md_table(["config", "seed", "status", "steps", "final eval loss", "best eval loss", "ms/step",
-                            "wall s", "note"], run_rows, "lrlrrrrrl"))
-    parts.append("")
-    path.write_text("\n".join(parts), **TEXT)
-    return path
+    have = {(r.config, r.seed) for r in result.runs}
+    for seed in result.settings["seeds"]:
+        for row in result.rows:
+            if (row.label, seed) not in have:
+                run_rows.append([row.label, seed, "not run", 0, "-", "-", "-", "-", "no stored result (the study "
+                                 "was interrupted, or its runs are still running elsewhere)"])
+    return _md_table(["config", "seed", "status", "steps", "final eval loss", "best eval loss", "ms/step", "wall s",
+                      "note"], run_rows, "lrlrrrrrl")

@@ -50,7 +50,8 @@ TIMING_SKIP = 5        # the first steps (allocation, plan resolution, caches) a
 class RunResult:
     """Everything recorded for one (config, seed) run; plain data (``dataclasses.asdict`` -> JSON).
 
-    ``status`` is ``"ok"`` (all steps done), ``"diverged"`` (stopped early: ``reason`` says why) or
+    ``status`` is ``"ok"`` (all steps done), ``"diverged"`` (stopped early: ``reason`` says why),
+    ``"crashed"`` (an exception in the task, model or optimizer: ``reason`` has it in one line) or
     ``"interrupted"`` (Ctrl-C; the curves hold what was done). ``eval`` holds one dict per
     evaluation: ``{"step": int, "loss": float, ...the task's other metrics}``; step 0 is the initial
     model. ``qerr`` maps a state name to ``[[step, nmse], ...]``.
@@ -99,6 +100,11 @@ class RunResult:
         d["best_eval_loss"] = self.best_eval_loss
         d["final_qerr"] = {k: self.final_qerr(k) for k in self.qerr}
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunResult":
+        """Rebuild from :meth:`to_dict` (the derived values are recomputed, not read)."""
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
 def make_optimizer(name: str, params: Any, *, lr: float, qconfig: Any, fused: bool | None,
@@ -225,7 +231,8 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
               measure_error: bool = True, on_step: Callable[[int, float], None] | None = None) -> RunResult:
     """Train one (config, seed) run and return its :class:`RunResult`.
 
-    ``on_step(step, train_loss)`` is called after every step (progress bars). A KeyboardInterrupt
+    ``on_step(step, train_loss)`` is called after every step (progress bars). An exception from the
+    task, the model or the optimizer ends the run with ``status="crashed"``. A KeyboardInterrupt
     inside the run is caught: the result comes back with ``status="interrupted"`` and the caller
     decides whether to stop (the exception is re-raised wrapped as :class:`RunInterrupted`).
     """
@@ -288,16 +295,26 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
         result.status = "interrupted"
         result.reason = f"interrupted (Ctrl-C) after {result.steps_done} of {steps} steps"
         raise RunInterrupted(result) from None
+    except Exception as e:  # noqa: BLE001 - a study records a crashed run and goes on with the others
+        result.status = "crashed"
+        result.reason = f"crashed after {result.steps_done} of {steps} steps: {type(e).__name__}: " + " ".join(
+            str(e).split())[:500]
     finally:
-        result.wall_s = time.perf_counter() - start
-        if opt is not None:
-            report = memory_report(opt)
-            result.state_bytes_per_param = report.bytes_per_param
-            result.train_bytes_per_param = report.train_bytes_per_param
-        if step_times:
-            result.step_ms = 1e3 * statistics.median(step_times)
-            result.opt_ms = 1e3 * statistics.median(opt_times)
+        _finish(result, opt, time.perf_counter() - start, step_times, opt_times)
     return result
+
+
+def _finish(result: RunResult, opt: torch.optim.Optimizer | None, wall_s: float, step_times: list[float],
+            opt_times: list[float]) -> None:
+    """Record the run's wall time, memory (``qconf.memory_report``) and median step times."""
+    result.wall_s = wall_s
+    if opt is not None:
+        report = memory_report(opt)
+        result.state_bytes_per_param = report.bytes_per_param
+        result.train_bytes_per_param = report.train_bytes_per_param
+    if step_times:
+        result.step_ms = 1e3 * statistics.median(step_times)
+        result.opt_ms = 1e3 * statistics.median(opt_times)
 
 
 def _prepare_release(model: torch.nn.Module, opt: torch.optim.Optimizer, shadow: _Shadow | None) -> bool:
