@@ -126,8 +126,8 @@ def _incremental_editable(base, here):
 
 ext_modules, cmdclass = _extensions()
 # The shipped configs (configs/ in the repository) become package data at qconf/configs/, so an installed
-# wheel finds them by name (qconf.config.builtin: the top-level files); the study configs come along.
+# wheel finds them by name (qconf.config.builtin).
 setup(packages=find_packages(include=["qconf", "qconf.*"]) + ["qconf.configs"],
       package_dir={"qconf.configs": "configs"},
-      package_data={"qconf": ["py.typed"], "qconf.configs": ["*.yml", "studies/*/*.yml"]},
+      package_data={"qconf": ["py.typed"], "qconf.configs": ["*.yml"]},
       ext_modules=ext_modules, cmdclass=cmdclass)
