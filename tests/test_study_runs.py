@@ -184,6 +184,7 @@ def test_a_worker_that_dies_is_recorded_as_crashed():
     status = {r.seed: (r.status, r.reason) for r in result.runs}
     assert status[0][0] == "ok" and status[2][0] == "ok"
     assert status[1] == ("crashed", "the worker process died (exit code 3) during this run")
+    assert result.out is None and "--out" not in result.settings["command"]  # the temporary store is gone
 
 
 def test_ctrl_c_with_jobs_stops_the_workers_and_writes_what_is_done(tmp_path):
@@ -224,3 +225,4 @@ def test_stored_files_are_readable_like_any_new_file(local):
     os.umask(mask)
     for path in [out / "study.json", *(out / "runs").glob("*.json"), *(out / "configs").glob("*.yml")]:
         assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
+

@@ -46,19 +46,23 @@ def plan_study(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DE
                fused: str | bool | None = "auto", eval_every: int | None = None, threads: int | None = 1,
                optimizer_kwargs: Mapping[str, Any] | None = None, measure_error: bool = True,
                vary: Sequence[str | Vary] = (), reference: str | None = None, allow_many: bool = False,
-               out: str | os.PathLike[str] | None = None, command: str | None = None) -> StudyPlan:
+               out: str | os.PathLike[str] | None = None, command: str | None = None,
+               store: str | os.PathLike[str] | None = None) -> StudyPlan:
     """Check the arguments and make the study's plan (rows, seeds, distinct runs and their keys);
     with ``out``, also check that ``out`` holds no other study and write ``study.json`` there.
-    Arguments as :func:`compare`. Raises StudyError / QConfigError before anything is written."""
+    Arguments as :func:`compare`; ``store``: where the runs are kept when it is not ``out`` (the
+    temporary store of ``compare(out=False, jobs>1)``). Raises StudyError / QConfigError before
+    anything is written."""
     a = check_arguments(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused,
                         eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs,
                         measure_error=measure_error, vary=vary, reference=reference, allow_many=allow_many)
     plan = build_plan(a)
     plan.settings["command"] = command or equivalent_command(a, plan, out)
-    if out is not None:
-        store = RunStore(out)
-        store.check_same_study(plan)
-        store.write_plan(plan)
+    where = out if out is not None else store
+    if where is not None:
+        run_store = RunStore(where)
+        run_store.check_same_study(plan)
+        run_store.write_plan(plan)
     return plan
 
 
@@ -118,7 +122,7 @@ def compare(configs: Sequence[Any] | Mapping[str, Any], task: str | Task = DEFAU
         plan = plan_study(configs, task, optimizer=optimizer, steps=steps, seeds=seeds, lr=lr, fused=fused,
                           eval_every=eval_every, threads=threads, optimizer_kwargs=optimizer_kwargs,
                           measure_error=measure_error, vary=vary, reference=reference, allow_many=allow_many,
-                          out=store_dir, command=command)
+                          out=out_dir, command=command, store=store_dir)
         store = RunStore(store_dir) if store_dir is not None else None
         started = _now()
         results = stored_results(plan, store)
