@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 from .arguments import StudyArguments, build_plan, check_arguments, positive_int
 from .execute import load_plan, relabel, run_planned, run_sequential, still_to_run, stored_results, torch_threads
-from .keys import digest, model_parameters, row_identity, shared_identity
+from .keys import digest
 from .parallel import run_parallel
-from .plan import StudyPlan
+from .plan import StudyPlan, make_rows
 from .progress import RunProgress
 from .report import write_outputs
 from .results import StudyResult
@@ -186,12 +186,10 @@ def collect(out: str | os.PathLike[str], *, write: bool = True) -> StudyResult:
 def _check_key_here(plan: StudyPlan, run: Any) -> None:
     """The run's key recomputed in this process must equal the plan's (same qconf, torch, task data)."""
     row = plan.row(run.rows[0])
-    s = plan.run_settings
-    shared = shared_identity(plan.task, plan.task_spec, steps=s.steps, eval_every=s.eval_every, fused=s.fused,
-                             threads=s.threads, measure_error=s.measure_error)
-    named = model_parameters(plan.task, run.seed, row.config)
-    row_digest = digest(row_identity(named, row.config, row.optimizer, row.lr, row.kwargs, s.fused))
-    if digest(shared) != digest(plan.shared) or row_digest != row.digest:
+    shared = plan.shared_here()
+    (here,) = make_rows(plan.task, run.seed, [row.entry], [row.optimizer], {row.optimizer: row.lr},
+                        {row.optimizer: row.kwargs}, plan.run_settings.fused)
+    if digest(shared) != digest(plan.shared) or here.digest != row.digest:
         differ = ", ".join(k for k in shared if shared[k] != plan.shared.get(k)) or "the model or optimizer"
         raise StudyError(f"run {run.index} would not reproduce the plan here ({differ} differ from the plan's): "
                          "run it with the qconf, torch and task data the study was planned with")

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from ..config import QConfig, load_config
-from .keys import digest, plain, row_identity, run_key, model_parameters, shared_identity, task_identity
+from .keys import digest, model_parameters, plain, row_identity, run_key, shared_identity
 from .task import StudyError, Task
 
 PLAN_FORMAT = 1
@@ -122,33 +122,42 @@ class StudyPlan:
     shared: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.shared:
-            s = self.run_settings
-            self.shared = shared_identity(self.task, self.task_spec, steps=s.steps, eval_every=s.eval_every,
-                                          fused=s.fused, threads=s.threads, measure_error=s.measure_error)
+        self.shared = self.shared or self.shared_here()
         self._rows = {r.label: r for r in self.rows}
+        self._shared_digest = digest(self.shared)
+        self._runs: list[PlannedRun] | None = None
+
+    def shared_here(self) -> dict[str, Any]:
+        """The shared part of the run keys as this process computes it (qconf, torch, the task's data
+        here); a plan read from study.json keeps the one it was made with in ``shared``."""
+        s = self.run_settings
+        return shared_identity(self.task, self.task_spec, steps=s.steps, eval_every=s.eval_every, fused=s.fused,
+                               threads=s.threads, measure_error=s.measure_error)
 
     def row(self, label: str) -> Row:
         return self._rows[label]
 
     def key(self, row: Row, seed: int) -> str:
         """The key of ``row``'s run with ``seed``."""
-        return run_key(digest(self.shared), row.digest, seed)
+        return run_key(self._shared_digest, row.digest, seed)
 
     def runs(self) -> list[PlannedRun]:
-        """The distinct runs, seed by seed (every row of seed 0 first), each once."""
-        order: dict[str, tuple[int, list[str]]] = {}
-        for seed in self.seeds:
-            for row in self.rows:
-                order.setdefault(self.key(row, seed), (seed, []))[1].append(row.label)
-        return [PlannedRun(i, key, seed, tuple(rows)) for i, (key, (seed, rows)) in enumerate(order.items())]
+        """The distinct runs, seed by seed (every row of seed 0 first), each once (computed once:
+        rows and seeds do not change)."""
+        if self._runs is None:
+            order: dict[str, tuple[int, list[str]]] = {}
+            for seed in self.seeds:
+                for row in self.rows:
+                    order.setdefault(self.key(row, seed), (seed, []))[1].append(row.label)
+            self._runs = [PlannedRun(i, key, seed, tuple(rows)) for i, (key, (seed, rows)) in enumerate(order.items())]
+        return self._runs
 
     def identity(self) -> dict[str, Any]:
         """What makes another invocation *the same study* (it may add rows and seeds): the task and
-        the settings every run shares."""
-        s = self.run_settings
-        return {"task": task_identity(self.task, self.task_spec), "steps": s.steps, "eval_every": s.eval_every,
-                "fused": s.fused, "threads": s.threads, "measure_error": s.measure_error}
+        the settings every run shares -- the shared key without the versions and the kernel, with
+        the ``fused`` choice instead."""
+        same = {k: v for k, v in self.shared.items() if k not in ("format", "kernel", "qconf", "torch")}
+        return {**same, "fused": self.run_settings.fused}
 
     def to_dict(self) -> dict[str, Any]:
         """study.json: everything ``--run-one`` and ``--collect`` need, as plain data."""

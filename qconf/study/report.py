@@ -24,10 +24,8 @@ from typing import Any, Sequence
 from .plots import write_plots
 from .results import StudyResult
 from .stats import FEW_SEEDS, t_quantile
+from .store import TEXT
 
-#: text outputs are UTF-8 whatever the locale; a file name's undecodable bytes (surrogate escapes in
-#: ``sys.argv`` under an ASCII or mismatched locale) are written as ``\udcXX`` instead of failing
-TEXT = {"encoding": "utf-8", "errors": "backslashreplace"}
 #: longer lists of rows in the reading become counts (the table has every row)
 MAX_LISTED = 6
 

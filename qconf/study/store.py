@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .keys import plain
 from .plan import PlannedRun, StudyPlan
 from .runner import RunResult
 from .task import StudyError
@@ -30,6 +31,8 @@ from .task import StudyError
 FINAL = ("ok", "diverged")
 #: files and directories that mark a directory as holding a study's outputs
 OUTPUTS = ("study.json", "results.json", "results.csv", "report.md", "runs")
+#: text files are UTF-8 whatever the locale; a file name's undecodable bytes (surrogate escapes in
+#: ``sys.argv`` under an ASCII or mismatched locale) are written as ``\\udcXX`` instead of failing
 TEXT = {"encoding": "utf-8", "errors": "backslashreplace"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=,+@-]")
 
@@ -57,7 +60,7 @@ class RunStore:
                                  "study.json (another study, or one from an older qconf): give another --out")
             return
         theirs = self.read_plan_data().get("identity", {})
-        ours = json.loads(json.dumps(plan.to_dict()["identity"]))
+        ours = plain(plan.identity())
         if theirs != ours:
             diff = [k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
             what = ", ".join(f"{k} {_short(theirs.get(k))} there, {_short(ours.get(k))} here" for k in diff)
@@ -101,16 +104,11 @@ class RunStore:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StudyError(f"run file {str(self._run_path(key))!r} is damaged ({e}): delete it to run again") from None
 
-    def done(self, key: str) -> bool:
-        """Whether the run with ``key`` is stored with a final status (ok or diverged)."""
-        run = self.load(key)
-        return run is not None and run.status in FINAL
-
     def save(self, run: PlannedRun, plan: StudyPlan, result: RunResult) -> None:
         """Store ``result`` as the run ``run`` of ``plan`` (with what determined it, for reading)."""
         row = plan.row(run.rows[0])
         record = {"key": run.key, "seed": run.seed, "row": row.label, "optimizer": row.optimizer, "lr": row.lr,
-                  "kwargs": row.to_dict()["kwargs"], "config": row.config.to_dict(), "shared": plan.shared,
+                  "kwargs": plain(row.kwargs), "config": row.config.to_dict(), "shared": plan.shared,
                   "result": result.to_dict()}
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(self._run_path(run.key), json.dumps(record, indent=None) + "\n")
