@@ -68,9 +68,9 @@ def load_configs(configs: Sequence[Any] | Mapping[str, Any]) -> list[ConfigEntry
     if isinstance(configs, (str, os.PathLike)):
         configs = [configs]
     if isinstance(configs, Mapping):
-        items = [(str(label), *split_optimizer_any(cfg)) for label, cfg in configs.items()]
+        items = [(str(label), *_split_any(cfg)) for label, cfg in configs.items()]
     else:
-        split = [split_optimizer_any(c) for c in configs]
+        split = [_split_any(c) for c in configs]
         sources = [str(c) if isinstance(c, (str, os.PathLike)) else f"config{i}" for i, (c, _) in enumerate(split)]
         items = [(label, c, o) for label, (c, o) in zip(labels_for(sources, [o for _, o in split]), split)]
     if not items:
@@ -87,7 +87,8 @@ def load_configs(configs: Sequence[Any] | Mapping[str, Any]) -> list[ConfigEntry
     return entries
 
 
-def split_optimizer_any(cfg: Any) -> tuple[Any, str | None]:
+def _split_any(cfg: Any) -> tuple[Any, str | None]:
+    """:func:`split_optimizer` for a path or name; a QConfig or dict has no ``@OPTIMIZER``."""
     return split_optimizer(str(cfg)) if isinstance(cfg, (str, os.PathLike)) else (cfg, None)
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from ..config import STATE_NAMES, QConfig, load_config
 from ..config.bitnet import BITNET_FIELDS, BitNetConfig
@@ -48,10 +49,7 @@ class Vary:
     @property
     def field(self) -> str:
         """The dotted name as qconf writes key paths: ``states.exp_avg.bits``, ``overrides[0].enable``."""
-        out = ""
-        for part in self.path:
-            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
-        return out
+        return _display(self.path)
 
     @property
     def short(self) -> str:
@@ -124,7 +122,10 @@ def _fields_at(path: tuple[str | int, ...], base: QConfig) -> tuple[Sequence[str
 
 
 def _display(path: tuple[str | int, ...]) -> str:
-    return Vary(path, (), ()).field
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
 
 
 def _unknown(noun: str, word: Any, allowed: Sequence[str], path: tuple[str | int, ...]) -> None:
@@ -212,7 +213,7 @@ def expand(base_label: str, base: QConfig, varies: Sequence[Vary]) -> list[Point
     config is invalid raises StudyError naming the point and what its config breaks."""
     points = []
     template = _full_dict(base)
-    for combo in _product([list(zip(v.values, v.texts)) for v in varies]):
+    for combo in itertools.product(*[list(zip(v.values, v.texts)) for v in varies]):
         data = copy.deepcopy(template)
         for v, (value, _) in zip(varies, combo):
             _set(data, v.path, value)
@@ -226,24 +227,8 @@ def expand(base_label: str, base: QConfig, varies: Sequence[Vary]) -> list[Point
     return points
 
 
-def _product(lists: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = [()]
-    for values in lists:
-        out = [prefix + (v,) for prefix in out for v in values]
-    return out
-
-
 def _problem_text(p: Any) -> str:
     """A config problem without the ``<dict>:`` file prefix (the point is named instead)."""
     text = str(p)
     return text.split(": ", 1)[1] if text.startswith("<dict>: ") else text
 
-
-def varied_fields(varies: Sequence[Vary]) -> list[tuple[str, list[str]]]:
-    """``[(short field, [value texts])]``: what the report and the sweep plots need."""
-    return [(v.short, list(v.texts)) for v in varies]
-
-
-def describe(varies: Sequence[Vary]) -> Mapping[str, list[str]]:
-    """``{dotted field: [value texts]}`` for results.json."""
-    return {v.field: list(v.texts) for v in varies}

@@ -23,11 +23,11 @@ _VERDICT_MARKS = {"better": "+", "worse": "-", "within noise": "~", "identical":
                   "too few seeds": "?", "reference": "ref"}
 
 
-def _cells(result: StudyResult) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
+def _cells(result: StudyResult, summary: list[dict[str, Any]]) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
     """``{(optimizer, values of every varied field): summary row}`` of the sweep's points."""
     fields = [f for f, _ in result.varied]
     out = {}
-    for r in result.summary():
+    for r in summary:
         if all(f"vary {f}" in r for f in fields):
             out[(r["optimizer"], tuple(r[f"vary {f}"] for f in fields))] = r
     return out
@@ -37,11 +37,12 @@ def plot_sweep(result: StudyResult, path: Path, plt: Any) -> Path | None:
     """Write sweep.png for a study with a sweep; None without one (or with too many panels)."""
     if not result.varied:
         return None
-    cells = _cells(result)
+    summary = result.summary()
+    cells = _cells(result, summary)
     if not cells:
         return None
     optimizers = list(dict.fromkeys(opt for opt, _ in cells))
-    ref = next((r for r in result.summary() if r["config"] == result.reference), None)
+    ref = next((r for r in summary if r["config"] == result.reference), None)
     ref_loss = ref["final_loss_mean"] if ref is not None else None
     if len(result.varied) == 1:
         fig = _line(result, cells, optimizers, ref_loss, plt)
