@@ -110,13 +110,27 @@ def _shape_numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+def _check_shape(shape: Any) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, or ValueError when it is not a sequence of non-negative integers."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise ValueError(f"shape must be a sequence of non-negative integers, got {shape!r}") from None
+    for d in dims:
+        if isinstance(d, bool) or not hasattr(d, "__index__") or int(d) < 0:
+            raise ValueError(f"shape must be a sequence of non-negative integers, got {shape!r}")
+    return tuple(int(d) for d in dims)
+
+
 @dataclasses.dataclass(frozen=True)
 class Override:
     """A per-parameter exception. Selectors (all given must hold, at least one required):
     ``match`` (glob, or ``re:<regex>`` fullmatch, on the qualified name), ``ndim``, and inclusive
     ``min_numel``/``max_numel`` bounds. Actions: ``enable`` (forces every state on or off, even
     below the threshold), ``states`` (partial state fields; an ``enable`` there forces that
-    state) and ``weights`` (partial weights fields)."""
+    state), ``weights`` (partial weights fields) and ``optimizer`` (``"muon"`` or ``"adamw"``:
+    which update rule of the hybrid :class:`qconf.optim.Muon` steps the parameter; read only by
+    that optimizer, see :meth:`QConfig.optimizer_route`)."""
 
     match: str | None = None
     ndim: int | None = None
@@ -125,6 +139,7 @@ class Override:
     enable: bool | None = None
     states: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=FrozenDict)
     weights: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)
+    optimizer: str | None = None
 
     def __post_init__(self) -> None:
         rep = Reporter("<Override>")
@@ -167,6 +182,8 @@ class Override:
             out["states"] = {s: dict(f) for s, f in self.states.items()}
         if self.weights:
             out["weights"] = dict(self.weights)
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer
         return out
 
 
@@ -266,6 +283,32 @@ class QConfig:
             if clean is not None:
                 out.append(Override(**clean))
         return tuple(out) if len(out) == len(self.overrides) else None
+
+    def optimizer_route(self, name: str, shape: Sequence[int]) -> str | None:
+        """The update rule the overrides give parameter ``name`` of ``shape`` in the hybrid
+        :class:`qconf.optim.Muon` (the only reader of the ``optimizer`` action).
+
+        Args:
+            name: the parameter's qualified name (``layers.0.attn.weight``), as ``match`` sees it.
+            shape: its global shape (a sequence of non-negative ints, e.g. ``torch.Size``), on which
+                the ``ndim``/``min_numel``/``max_numel`` selectors are judged.
+
+        Returns:
+            The ``optimizer`` value (``"muon"`` or ``"adamw"``) of the last override that matches
+            and sets ``optimizer`` (later overrides win, as for every action), or ``None`` when none
+            does (the optimizer then routes the parameter by its own rule).
+
+        Raises:
+            TypeError: ``name`` is not a string. ValueError: ``shape`` is not a valid shape.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"parameter name must be a string, got {type(name).__name__}")
+        dims = _check_shape(shape)
+        route = None
+        for ov in self.overrides:
+            if ov.optimizer is not None and ov.matches(name, dims):
+                route = ov.optimizer
+        return route
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data in the full explicit native form: ``load_config(cfg.to_dict()) == cfg``.

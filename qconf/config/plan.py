@@ -9,7 +9,8 @@ For one state of a parameter ``(name, shape)`` with ``numel = prod(shape)``:
    ``enable`` (if given) sets ``quantized`` (forcing, in both directions, even below the
    threshold -- lpmm's ``override_quantize_enable``); ``states[state]`` replaces fields of the
    section, and an ``enable`` there again sets ``quantized`` for that state; ``weights``
-   replaces fields of the weights config. Later overrides win.
+   replaces fields of the weights config. Later overrides win. (An override's ``optimizer``
+   plays no part in the plan: :meth:`~qconf.config.model.QConfig.optimizer_route` reads it.)
 3. A quantized state gets ``Codec(bits, map, signed, scale, group_size, rounding)``; a 0-d
    parameter with scale ``dim0``/``dim1`` uses ``tensor`` (one scale, the same thing). An
    unquantized state is ``None`` (kept in fp32).
@@ -26,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from ..codec import Codec
 from ..errors import Problem, QConfigError
 from .frozen import FrozenDict
-from .model import STATE_NAMES, QConfig, WeightsConfig, make_codec
+from .model import STATE_NAMES, QConfig, WeightsConfig, _check_shape, make_codec
 
 __all__ = ["StatePlan", "resolve_plan", "describe_codec"]
 
@@ -115,17 +116,6 @@ def describe_codec(codec: Codec, shape: Sequence[int]) -> str:
     if codec.rounding != "nearest":
         parts.append(codec.rounding)
     return " ".join(parts)
-
-
-def _check_shape(shape: Any) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise ValueError(f"shape must be a sequence of non-negative integers, got {shape!r}") from None
-    for d in dims:
-        if isinstance(d, bool) or not hasattr(d, "__index__") or int(d) < 0:
-            raise ValueError(f"shape must be a sequence of non-negative integers, got {shape!r}")
-    return tuple(int(d) for d in dims)
 
 
 def resolve_plan(cfg: QConfig, name: str, shape: Sequence[int], *, force_enable: bool | None = None) -> StatePlan:

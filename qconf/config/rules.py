@@ -25,8 +25,8 @@ __all__ = [
     "check_states", "check_codec", "check_override", "check_match", "check_selectors", "compile_match",
     "state_combo_problem",
     "STATE_NAMES", "STATE_FIELDS", "OVERRIDE_STATE_FIELDS", "CODEC_FIELDS", "WEIGHTS_FIELDS", "TOP_FIELDS",
-    "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS", "MAX_GROUP_SIZE",
-    "MAX_NUMEL", "MAX_NDIM", "MAX_MATCH_CHARS", "as_text",
+    "TOP_KEYS", "SELECTOR_FIELDS", "OVERRIDE_SELECTORS", "OVERRIDE_ACTIONS", "OVERRIDE_KEYS", "OPTIMIZER_ROUTES",
+    "OPTIMIZER_ROUTE", "MAX_GROUP_SIZE", "MAX_NUMEL", "MAX_NDIM", "MAX_MATCH_CHARS", "as_text",
 ]
 
 #: The optimizer-state sections of a qconfig (their defaults: :data:`qconf.config.model.DEFAULT_STATES`).
@@ -230,7 +230,12 @@ SELECTOR_FIELDS: Mapping[str, Spec] = FrozenDict({
     "max_numel": Spec("int", 0, MAX_NUMEL),
 })
 OVERRIDE_SELECTORS = ("match", "ndim", "min_numel", "max_numel")
-OVERRIDE_ACTIONS = ("enable", "states", "weights")
+OVERRIDE_ACTIONS = ("enable", "states", "weights", "optimizer")
+#: Values of an override's ``optimizer`` action: which update rule of the hybrid :class:`qconf.optim.Muon`
+#: steps the parameter (Muon, for a 2-D matrix, or the hybrid's AdamW part). Other optimizers ignore it.
+OPTIMIZER_ROUTES: tuple[str, ...] = ("muon", "adamw")
+#: The rule for an override's ``optimizer``.
+OPTIMIZER_ROUTE = Spec("enum", choices=OPTIMIZER_ROUTES, noun="update rule for qconf.optim.Muon")
 OVERRIDE_KEYS = OVERRIDE_SELECTORS + OVERRIDE_ACTIONS
 MATCH_ALLOWED = "an fnmatch glob on the qualified name such as '*.bias', or 're:<regex>'"
 #: A ``match`` pattern is compiled to a regex on load (Python's re: ~40 us a character); names are far shorter.
@@ -375,6 +380,10 @@ def check_override(raw: Any, path: str, rep: Reporter) -> dict[str, Any] | None:
             checked = check_value(STATE_FIELDS["enable"], value, p, rep)
             if checked is not BAD:
                 out[key] = checked
+        elif key == "optimizer":
+            checked = check_value(OPTIMIZER_ROUTE, value, p, rep)
+            if checked is not BAD:
+                out[key] = checked
         elif key in SELECTOR_FIELDS:
             checked = check_value(SELECTOR_FIELDS[key], value, p, rep)
             if checked is not BAD:
@@ -395,7 +404,7 @@ def check_override(raw: Any, path: str, rep: Reporter) -> dict[str, Any] | None:
         rep.add(join(path, "min_numel"), lo, f"min_numel {lo} is greater than max_numel {hi} (matches nothing)",
                 "min_numel <= max_numel")
     has_action = (raw.get("enable") is not None or any(_nonempty(v) for v in _values(raw.get("states")))
-                  or _nonempty(raw.get("weights")))
+                  or _nonempty(raw.get("weights")) or raw.get("optimizer") is not None)
     if not has_action:
         rep.add(path, raw, "override has no action (it would change nothing)",
                 f"at least one of {', '.join(OVERRIDE_ACTIONS)}")
