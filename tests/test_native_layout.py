@@ -27,7 +27,7 @@ if not _native.fused_available():  # pragma: no cover - the CI build always has 
 
 KEYS = {
     "hyper.lr", "hyper.beta1", "hyper.beta2", "hyper.eps", "hyper.weight_decay", "hyper.momentum",
-    "hyper.dampening", "hyper.maximize", "hyper.nesterov", "hyper.decoupled", "hyper.len",
+    "hyper.dampening", "hyper.maximize", "hyper.nesterov", "hyper.decoupled", "hyper.adjusted_lr", "hyper.len",
     "meta.index", "meta.first", "meta.factored", "meta.ndim", "meta.shape", "meta.state0", "meta.state1",
     "meta.weights", "meta.comp", "meta.rng_offset", "meta.cols",
     "state.kind", "state.table", "state.codec", "state.cols",
@@ -38,7 +38,7 @@ KEYS = {
     "slot.comp_scales", "slot.len",
     "kind.none", "kind.fp32", "kind.quant", "kind.param_dtype",
     "scale.block", "scale.dim1", "scale.rank1",
-    "rule.adam", "rule.sgd", "rule.lion",
+    "rule.adam", "rule.sgd", "rule.lion", "rule.muon_momentum", "rule.muon_update",
     "weights.stochastic", "weights.kahan",
     "lines.seg_bounds", "lines.seg_slope", "lines.seg_offset", "lines.seg_cap", "lines.seg_top", "lines.seg_eps",
     "lines.seg_present", "lines.val_shift", "lines.val_center", "lines.val_slope", "lines.val_offset", "lines.val_bias",

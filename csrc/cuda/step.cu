@@ -769,7 +769,9 @@ void run_generic(int64_t rule, const std::vector<TensorDesc>& descs, const at::T
   switch (rule) {
     case kRuleAdam: launch_step<AdamRule>(stream, plan, d, sbase); break;
     case kRuleSgd: launch_step<SgdRule>(stream, plan, d, sbase); break;
-    default: launch_step<LionRule>(stream, plan, d, sbase); break;
+    case kRuleLion: launch_step<LionRule>(stream, plan, d, sbase); break;
+    case kRuleMuonMomentum: launch_step<MuonMomentumRule>(stream, plan, d, sbase); break;
+    default: launch_step<MuonUpdateRule>(stream, plan, d, sbase); break;
   }
 }
 

@@ -2,7 +2,7 @@
 torch.optim's).
 
 Each optimizer's hyperparameters are checked by one function (:func:`adam_group`,
-:func:`sgd_group`, :func:`lion_group`), called by its constructor and, through
+:func:`sgd_group`, :func:`lion_group`, :func:`muon_group`), called by its constructor and, through
 :meth:`QOptimizer.validate_group`, by ``load_state_dict`` on every saved param group -- so a
 checkpoint can hold only hyperparameters the constructor accepts. On top of torch.optim's range
 checks they require real numbers (a one-element tensor where torch allows a tensor: ``lr``,
@@ -152,6 +152,37 @@ def lion_group(group: Mapping[str, Any]) -> dict[str, Any]:
     wd = _non_negative("weight_decay", group["weight_decay"])
     return {"lr": lr, "betas": betas, "weight_decay": _stored(group["weight_decay"], wd),
             "maximize": _flag("maximize", group["maximize"])}
+
+
+#: torch.optim.Muon refuses ns_steps >= 100 ("for computational efficiency")
+MAX_NS_STEPS = 99
+
+
+def muon_group(group: Mapping[str, Any]) -> dict[str, Any]:
+    """Muon hyperparameters of one group, checked as torch.optim.Muon does (lr, momentum and
+    weight decay >= 0, adjust_lr_fn None/"original"/"match_rms_adamw", three coefficients,
+    ns_steps < 100), plus finite values, a finite eps >= 0 and a whole ns_steps >= 0; returns them
+    with ``ns_coefficients`` as a tuple of floats."""
+    lr = _lr(group["lr"])
+    momentum = _non_negative("momentum", group["momentum"])
+    wd = _non_negative("weight_decay", group["weight_decay"])
+    eps = _non_negative("epsilon", group["eps"])
+    coefficients = group["ns_coefficients"]
+    if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be a tuple of exactly 3 values (a, b, c), got {coefficients!r}")
+    abc = tuple(_finite(_real(f"ns_coefficients[{i}]", c), f"Invalid ns_coefficients[{i}]: {c}")
+                for i, c in enumerate(coefficients))
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_NS_STEPS:
+        raise ValueError(f"ns_steps must be a whole number in [0, {MAX_NS_STEPS}] (torch.optim.Muon refuses 100 "
+                         f"and more), got {steps!r}")
+    fn = group["adjust_lr_fn"]
+    if fn not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"Adjust learning rate function {fn!r} is not supported; use None, 'original' or "
+                         "'match_rms_adamw'")
+    return {"lr": lr, "weight_decay": _stored(group["weight_decay"], wd),
+            "momentum": _stored(group["momentum"], momentum), "nesterov": _flag("nesterov", group["nesterov"]),
+            "ns_coefficients": abc, "eps": _stored(group["eps"], eps), "ns_steps": steps, "adjust_lr_fn": fn}
 
 
 def _refuse_torch_options(name: str, group: Mapping[str, Any]) -> None:

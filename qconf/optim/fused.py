@@ -33,7 +33,7 @@ from ..codec.native import TABLE_ROWS, TABLE_SIZE, codec_descriptor, codec_table
 from .spec import Hyper, Slot
 
 __all__ = ["FUSED_DTYPES", "FusedParam", "GroupPlan", "FusedStepper", "CompiledFusedSteps", "unfusable_reason",
-           "hyper_values"]
+           "hyper_values", "run_one"]
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY = torch.empty(0)
@@ -190,6 +190,24 @@ class GroupPlan:
         """Every tensor of ``qconf::fused_step`` in one list, as :meth:`FusedStepper.traced_step`
         reads it: params, their current gradients, steps, states, then meta and tables."""
         return [*self.params, *(p.grad for p in self.params), *self.steps, *self.states, self.meta, self.tables]
+
+
+def run_one(rule: str, fp: FusedParam, grad: torch.Tensor, hyper: Hyper, seed: int) -> None:
+    """One kernel call of rule ``rule`` (the layout's ``rule.<name>``) for one parameter, with an
+    explicit gradient (any strides, shaped like ``fp.param``, fp32/bf16/fp16 whatever the
+    parameter's dtype) instead of ``fp.param.grad``: Muon's two calls around Newton–Schulz
+    (:mod:`qconf.optim.muon`). A non-contiguous parameter steps through a contiguous copy that is
+    written back, as in :class:`GroupPlan`."""
+    lay = layout()
+    tables: dict[Codec, int] = {}
+    row, slots = _describe_param(lay, fp, tables)
+    meta = torch.tensor([row], dtype=torch.int64)
+    table = torch.stack([codec_table(c) for c in tables]) if tables else torch.zeros(1, TABLE_ROWS, TABLE_SIZE)
+    work = fp.param if fp.param.is_contiguous() else fp.param.contiguous()
+    ops.fused_step(lay[f"rule.{rule}"], [work], [grad], [fp.step], slots, meta, table, hyper_values(hyper),
+                   _signed64(seed))
+    if work is not fp.param:
+        fp.param.copy_(work)
 
 
 def _describe_param(lay: Mapping[str, int], fp: FusedParam, tables: dict[Codec, int]

@@ -56,7 +56,8 @@ class Hyper:
     """One param group's hyperparameters as the fused kernel reads them (a rule sets those it
     uses; the kernel derives every per-step scalar from them in double precision, as the
     reference path does). ``maximize``/``nesterov``/``decoupled`` are flags;
-    ``decoupled`` selects AdamW's (and Lion's) decay ``p * (1 - lr * wd)`` over Adam's L2 term."""
+    ``decoupled`` selects AdamW's (and Lion's) decay ``p * (1 - lr * wd)`` over Adam's L2 term;
+    ``adjusted_lr`` is Muon's shape-adjusted step size (its update call; the decay uses ``lr``)."""
 
     lr: float
     beta1: float = 0.0
@@ -68,3 +69,4 @@ class Hyper:
     maximize: bool = False
     nesterov: bool = False
     decoupled: bool = False
+    adjusted_lr: float = 0.0

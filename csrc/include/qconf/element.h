@@ -464,7 +464,9 @@ QCONF_HD float fmax_nan(float a, float b) { return a != a ? b : (b != b ? a : (b
 
 struct Scalars {
   float lr, b1, omb1, b2, omb2, eps, wd, decay, step_size, inv_bc2_sqrt, momentum, omdamp;
-  int32_t maximize, has_wd, decoupled, nesterov, has_momentum, first;
+  // Muon's two lerps (step_host.h set_muon_lerps): weight, weight - 1, whether |weight| < 0.5
+  float buf_w, buf_wm1, nes_w, nes_wm1;
+  int32_t maximize, has_wd, decoupled, nesterov, has_momentum, first, buf_small, nes_small;
 };
 
 // Adam / AdamW. With a factored second moment `v` is the reconstructed value and is not stored.
@@ -544,6 +546,44 @@ struct LionRule {
     const T c = m * T(h.b1) + g * T(h.omb1);
     p = p - qsign(c) * T(h.lr);
     m = m * T(h.b2) + g * T(h.omb2);
+  }
+};
+
+// torch.lerp(start, end, w) as torch's CPU kernel computes it (vectorized and scalar loops alike):
+// d = end - start, then fma(w, d, start) for |w| < 0.5, else fma(w - 1, d, end) (w, w - 1 fp32).
+template <class T>
+QCONF_HD T lerp_as_torch(T start, T end, float w, float wm1, int32_t small) {
+  const T d = end - start;
+  return small ? qfma(T(w), d, start) : qfma(T(wm1), d, end);
+}
+
+// Muon, first call: state 0 is the momentum buffer, and `p` receives the update that
+// Newton-Schulz orthogonalizes (the caller passes a scratch tensor as the parameter: the rule
+// never reads it). torch.optim.Muon: buf.lerp_(g, 1 - momentum); update = g.lerp(buf, momentum)
+// with Nesterov, else buf.
+struct MuonMomentumRule {
+  static constexpr int kStates = 1;
+  static constexpr bool kHasPlain = false;
+  QCONF_HD static bool states_read_param(const Scalars&) { return false; }
+  template <class T>
+  QCONF_HD static void apply(T& p, T g, T& b, T& /*unused*/, const Scalars& h, bool = true) {
+    b = lerp_as_torch(b, g, h.buf_w, h.buf_wm1, h.buf_small);
+    if (h.nesterov) p = lerp_as_torch(g, b, h.nes_w, h.nes_wm1, h.nes_small);
+    else p = b;
+  }
+};
+
+// Muon, second call: `g` is the orthogonalized update O; decoupled decay with the group's lr,
+// then the step with the shape-adjusted lr, as torch's param.mul_(1 - lr * wd) and
+// param.add_(O, alpha=-adjusted_lr) (a fused multiply-add in torch's CPU kernel).
+struct MuonUpdateRule {
+  static constexpr int kStates = 1;  // (none present: the Kahan buffer only)
+  static constexpr bool kHasPlain = false;
+  QCONF_HD static bool states_read_param(const Scalars&) { return false; }
+  template <class T>
+  QCONF_HD static void apply(T& p, T g, T& /*unused*/, T& /*unused*/, const Scalars& h, bool = true) {
+    p = p * T(h.decay);
+    p = qfma(g, T(-h.step_size), p);
   }
 };
 

@@ -24,7 +24,8 @@ constexpr int kHyperDampening = 6;
 constexpr int kHyperMaximize = 7;   // nonzero: maximize
 constexpr int kHyperNesterov = 8;   // nonzero: Nesterov momentum
 constexpr int kHyperDecoupled = 9;  // nonzero: decoupled weight decay (AdamW)
-constexpr int kHyperLen = 10;
+constexpr int kHyperAdjustedLr = 10;  // Muon's shape-adjusted lr (the step size of kRuleMuonUpdate)
+constexpr int kHyperLen = 11;
 
 // ---------------------------------------------------------------------------------------------
 // codec: a quantized state's codec as ints (read_codec in step_types.h)
@@ -94,8 +95,10 @@ enum StateKind : int32_t { kNone = 0, kFp32 = 1, kQuant = 2, kParamDtype = 3 };
 enum ScaleKind : int32_t { kBlock = 0, kDim1 = 1, kRank1 = 2 };
 // the dtype of a parameter, gradient or 16-bit state
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
-// the update rule of a call (AdamRule, SgdRule, LionRule in element.h)
-enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2 };
+// the update rule of a call (AdamRule, SgdRule, LionRule, MuonMomentumRule, MuonUpdateRule in
+// element.h); Muon's step is two calls around Newton-Schulz (qconf/optim/muon_fused.py)
+enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2, kRuleMuonMomentum = 3, kRuleMuonUpdate = 4 };
+constexpr int32_t kRuleLast = kRuleMuonUpdate;
 
 // ---------------------------------------------------------------------------------------------
 // codec tables: float32 [N, kTableRows, kTableSize], one [kTableRows, kTableSize] table per codec
@@ -180,6 +183,7 @@ constexpr LayoutEntry kLayout[] = {
     {"hyper.maximize", kHyperMaximize},
     {"hyper.nesterov", kHyperNesterov},
     {"hyper.decoupled", kHyperDecoupled},
+    {"hyper.adjusted_lr", kHyperAdjustedLr},
     {"hyper.len", kHyperLen},
     {"meta.index", kMetaIndex},
     {"meta.first", kMetaFirst},
@@ -225,6 +229,8 @@ constexpr LayoutEntry kLayout[] = {
     {"rule.adam", kRuleAdam},
     {"rule.sgd", kRuleSgd},
     {"rule.lion", kRuleLion},
+    {"rule.muon_momentum", kRuleMuonMomentum},
+    {"rule.muon_update", kRuleMuonUpdate},
     {"weights.stochastic", kWeightsStochastic},
     {"weights.kahan", kWeightsKahan},
     {"lines.seg_bounds", kSegBounds},

@@ -72,6 +72,14 @@ template <>
 struct RuleOf<kRuleLion> {
   using type = LionRule;
 };
+template <>
+struct RuleOf<kRuleMuonMomentum> {
+  using type = MuonMomentumRule;
+};
+template <>
+struct RuleOf<kRuleMuonUpdate> {
+  using type = MuonUpdateRule;
+};
 
 // The rule's flags a spec fixes (the Scalars' run-time flags are overridden with them, so the
 // rule's branches fold away): SGD's `first` (a lazily created buffer's first step) stays run-time.

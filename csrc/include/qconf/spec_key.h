@@ -5,8 +5,8 @@
 //
 // A name spells the spec in six fields joined by '-':
 //   rule[.flags]-pdtype.gdtype-weights-state0-state1-comp
-//   rule:    adam | sgd | lion; flags: m (maximize), w (weight decay), d (decoupled), p (momentum),
-//            n (Nesterov), in this order
+//   rule:    adam | sgd | lion | muon_momentum | muon_update; flags: m (maximize), w (weight
+//            decay), d (decoupled), p (momentum), n (Nesterov), in this order
 //   dtypes:  f32 | bf16 | f16
 //   weights: plain | sr | kahan | sr+kahan | sr.each (bf16 SR with a hash per element, not per
 //            pair: spec.h kWeightsEachElement)
@@ -155,7 +155,8 @@ inline std::string spec_key(int32_t rule, const TensorDesc& t, SpecKey& key) {
 // ---------------------------------------------------------------------------------------------
 // names
 
-inline const char* rule_word(int32_t rule) { return rule == kRuleSgd ? "sgd" : rule == kRuleLion ? "lion" : "adam"; }
+constexpr const char* kRuleWords[] = {"adam", "sgd", "lion", "muon_momentum", "muon_update"};  // by RuleId
+inline const char* rule_word(int32_t rule) { return kRuleWords[rule]; }
 inline const char* dtype_word(int32_t d) { return d == kBF16 ? "bf16" : d == kF16 ? "f16" : "f32"; }
 inline const char* near_word(int32_t n) {
   return n == kNearGrid ? "grid" : n == kNearLinesUnsigned ? "lines_u" : n == kNearLinesSigned ? "lines_s" : "search";
@@ -243,7 +244,8 @@ inline bool parse_spec(const std::string& name, SpecKey& k) {
   const std::vector<std::string> f = split(name, '-');
   if (f.size() != 6) return false;
   const std::vector<std::string> rule = split(f[0], '.');
-  if (rule.size() > 2 || (k.rule = word_index(rule[0], {"adam", "sgd", "lion"})) < 0) return false;
+  k.rule = word_index(rule[0], {kRuleWords[0], kRuleWords[1], kRuleWords[2], kRuleWords[3], kRuleWords[4]});
+  if (rule.size() > 2 || k.rule < 0) return false;
   k.flags = 0;
   if (rule.size() == 2)
     for (char c : rule[1]) {

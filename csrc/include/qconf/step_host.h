@@ -48,6 +48,17 @@ inline int64_t num_scales_of(const CodecDesc& c, const TensorDesc& t) {
   return s;
 }
 
+// Muon's lerps as torch.lerp computes them (element.h lerp_as_torch): the buffer's weight is
+// 1 - momentum (a Python double, rounded once to fp32), Nesterov's is momentum.
+inline void set_muon_lerps(Scalars& h, double mom) {
+  h.buf_w = static_cast<float>(1.0 - mom);
+  h.buf_wm1 = h.buf_w - 1.0f;
+  h.buf_small = std::fabs(h.buf_w) < 0.5f;
+  h.nes_w = static_cast<float>(mom);
+  h.nes_wm1 = h.nes_w - 1.0f;
+  h.nes_small = std::fabs(h.nes_w) < 0.5f;
+}
+
 inline Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step, bool first) {
   const double lr = hp[kHyperLr], b1 = hp[kHyperBeta1], b2 = hp[kHyperBeta2], eps = hp[kHyperEps];
   const double wd = hp[kHyperWeightDecay], mom = hp[kHyperMomentum], damp = hp[kHyperDampening];
@@ -68,6 +79,8 @@ inline Scalars make_scalars(int64_t rule, c10::ArrayRef<double> hp, double step,
   h.has_wd = wd != 0.0;
   h.has_momentum = mom != 0.0;
   h.first = first;
+  if (rule == kRuleMuonMomentum) set_muon_lerps(h, mom);
+  if (rule == kRuleMuonUpdate) h.step_size = static_cast<float>(hp[kHyperAdjustedLr]);
   if (rule == kRuleAdam) {
     // the reference computes these in Python doubles: lr / (1 - b1**t), 1 / (1 - b2**t) ** 0.5
     h.step_size = static_cast<float>(lr / (1.0 - std::pow(b1, step)));
@@ -99,7 +112,7 @@ inline void check_call(int64_t rule, at::TensorList params, at::TensorList grads
                        at::TensorList states, const at::Tensor& meta, const at::Tensor& tables,
                        c10::ArrayRef<double> hyper) {
   const int64_t T = static_cast<int64_t>(params.size());
-  TORCH_CHECK(rule >= kRuleAdam && rule <= kRuleLion, "qconf fused_step: unknown rule ", rule);
+  TORCH_CHECK(rule >= kRuleAdam && rule <= kRuleLast, "qconf fused_step: unknown rule ", rule);
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == T && static_cast<int64_t>(steps.size()) == T &&
                   static_cast<int64_t>(states.size()) == kSlotLen * T,
               "qconf fused_step: expected ", T, " grads and steps and ", kSlotLen * T, " state tensors, got ",

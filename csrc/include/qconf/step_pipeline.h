@@ -682,7 +682,9 @@ void run_items(const StepContext& ctx, const WorkItem* items, int64_t begin, int
   switch (ctx.rule) {
     case kRuleAdam: run_items_rule<AdamRule>(ctx, items, begin, end, phase, tid); break;
     case kRuleSgd: run_items_rule<SgdRule>(ctx, items, begin, end, phase, tid); break;
-    default: run_items_rule<LionRule>(ctx, items, begin, end, phase, tid); break;
+    case kRuleLion: run_items_rule<LionRule>(ctx, items, begin, end, phase, tid); break;
+    case kRuleMuonMomentum: run_items_rule<MuonMomentumRule>(ctx, items, begin, end, phase, tid); break;
+    default: run_items_rule<MuonUpdateRule>(ctx, items, begin, end, phase, tid); break;
   }
 }
 
