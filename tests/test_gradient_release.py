@@ -13,7 +13,7 @@ import pickle
 import pytest
 import torch
 
-from qconf.optim import SGD, Adam, AdamW, Lion, prepare_gradient_release, remove_gradient_release
+from qconf.optim import SGD, Adam, AdamW, Lion, Muon, prepare_gradient_release, remove_gradient_release
 from qconf.optim.release import ReleasedGrad
 
 from helpers import CONFIGS, assert_same_state, flat_state, mlp, regression_batches
@@ -27,6 +27,7 @@ RULES = {
     "factored": lambda ps, **kw: AdamW(ps, lr=1e-2, factor_second_moment=True, **kw),
     "sgd": lambda ps, **kw: SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3, **kw),
     "lion": lambda ps, **kw: Lion(ps, lr=1e-3, weight_decay=0.1, **kw),
+    "muon": lambda ps, **kw: Muon(ps, lr=0.02, adamw={"lr": 1e-2}, **kw),
 }
 
 
@@ -86,7 +87,7 @@ def test_release_is_bit_identical_to_normal_steps(config, weights, fused):
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
-@pytest.mark.parametrize("rule", ["adam", "factored", "sgd", "lion"])
+@pytest.mark.parametrize("rule", ["adam", "factored", "sgd", "lion", "muon"])
 @pytest.mark.parametrize("config,weights", [("rank1", "bf16_sr"), ("8bit", "fp32"), ("group128", "bf16_kahan")])
 def test_every_rule_is_bit_identical(rule, config, weights, fused):
     batches = list(regression_batches(4, seed=2))
@@ -114,12 +115,29 @@ def test_step_and_zero_grad_are_harmless_no_ops():
     steps = [int(opt.state[p]["step"]) for p in model.parameters()]
     assert steps == [1] * 6
     assert opt.step() is None
+    assert all(isinstance(p.grad, ReleasedGrad) for p in model.parameters())
+    assert "ReleasedGrad(parameter 0 ('0.weight')" in repr(model[0].weight.grad)
+    opt.zero_grad(set_to_none=False)  # the markers stay: zeroing would read gradients that are gone
+    assert all(isinstance(p.grad, ReleasedGrad) for p in model.parameters())
     opt.zero_grad()
     opt.zero_grad(set_to_none=False)
     assert all(torch.equal(a, p) for a, p in zip(after_backward, model.parameters()))
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == steps
-    assert all(isinstance(p.grad, ReleasedGrad) for p in model.parameters())
-    assert "ReleasedGrad(parameter 0 ('0.weight')" in repr(model[0].weight.grad)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_zero_grad_set_to_none_leaves_no_grad(rule):
+    """As with torch.optim: after zero_grad() (set_to_none=True) no parameter has a .grad, released or
+    held -- and the next backward and step run as before."""
+    batches = list(regression_batches(3, seed=4))
+    normal, release = _make(rule), _make(rule, release=True)
+    for model, opt in (normal, release):
+        for x, y in batches:
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+    _assert_same_run(normal, release)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])

@@ -14,8 +14,8 @@ gradient norm without ``grad_norms=True``, a clip that would scale the gradients
 ``GradScaler``, ``zero_grad(set_to_none=False)``: gradient release has already stepped on the
 gradient as it was). A pre-hook on each parameter drops the marker before the next backward
 accumulates.
-While the hooks are in place ``opt.step()`` and ``opt.zero_grad()`` have nothing to do (they act
-only on gradients that are still held, which a release loop has none of), so training loops,
+While the hooks are in place ``opt.step()`` has nothing to do and ``opt.zero_grad()`` only drops the
+markers (they act only on gradients that are still held, which a release loop has none of), so training loops,
 LR schedulers, HF Trainer and Lightning run unchanged; :func:`remove_gradient_release` takes the
 hooks off and the optimizer steps normally again.
 
@@ -220,13 +220,19 @@ class ReleaseSteps:
 
     def _release_zero_grad(self, set_to_none: bool) -> None:
         """``opt.zero_grad()`` while the hooks are in place: the gradients still held (see
-        :meth:`_released_step`) as torch's zero_grad treats them; the markers stay (the next
-        backward drops them)."""
-        for p, _, _ in self._held_grads():
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().requires_grad_(False).zero_()
+        :meth:`_released_step`) as torch's zero_grad treats them. ``set_to_none=True`` (torch's
+        default) also drops the markers, so no ``.grad`` is left, as torch users expect; with
+        ``set_to_none=False`` they stay (zeroing one would read a gradient that is gone) and the
+        next backward drops them."""
+        for _, p, _ in self._named_params():
+            if isinstance(p.grad, ReleasedGrad):
+                if set_to_none:
+                    p.grad = None
+            elif p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False).zero_()
 
     def _held_grads(self) -> list[tuple[torch.Tensor, int, dict[str, Any]]]:
         """(param, index, group) of the parameters whose ``.grad`` is a real gradient."""
