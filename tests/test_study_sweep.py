@@ -200,6 +200,20 @@ def test_cli_parsers():
         "eps": 1e-6, "lion": {"weight_decay": 0.1}, "adamw": {"betas": (0.9, 0.95)}}
     with pytest.raises(StudyError, match="unknown optimizer 'lyon'"):
         parse_opt_args(["lyon:weight_decay=0.1"])
+    assert parse_opt_args(["muon:adamw.lr=3e-3", "muon:adamw.betas=0.9,0.95", "muon:ns_steps=3"]) == {
+        "muon": {"adamw": {"lr": 3e-3, "betas": (0.9, 0.95)}, "ns_steps": 3}}
+    with pytest.raises(StudyError, match="both as a value and as a mapping"):
+        parse_opt_args(["muon:adamw=1", "muon:adamw.lr=3e-3"])
+
+
+def test_muon_in_a_study_keeps_each_part_its_lr_and_measures_the_momentum_error():
+    """Muon's two param groups keep their own lr through the schedule (the shadow too), and the
+    momentum's quantization error is measured like any state's."""
+    result = compare(["muon_8bit@muon"], task=TINY, steps=6, seeds=1, out=False, progress=False, eval_every=3,
+                     lr={"muon": 0.02}, optimizer_kwargs={"muon": {"adamw": {"lr": 1e-3}}})
+    (run,) = result.runs
+    assert run.status == "ok", run.reason
+    assert run.qerr["momentum_buffer"][-1][1] > 0  # quantized against the fp32 shadow
 
 
 # -- bad input on the command line: exit 2, one line, nothing run, nothing written ---------------------------

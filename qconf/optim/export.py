@@ -24,6 +24,10 @@ def export_torch_state_dict(opt: Any) -> dict[str, Any]:
     Quantized states are decoded to the parameter's dtype (as torch.optim keeps them). A factored
     second moment is expanded to the dense ``exp_avg_sq`` it stands for (with a warning).
     """
+    if any("use_muon" in g for g in opt.param_groups):
+        raise ValueError("export_torch_state_dict: qconf.optim.Muon keeps the states of two torch optimizers "
+                         "(torch.optim.Muon for its use_muon=True groups, AdamW for the others), which no single "
+                         "torch.optim optimizer loads; save it with opt.state_dict() instead")
     sd = opt.state_dict()
     params = [(p, g) for g in opt.param_groups for p in g["params"]]
     state = {}

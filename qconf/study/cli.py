@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default=None, metavar="NAME|module:function",
                    help="built-in task (charlm, digits) or module:function returning a qconf.study.Task "
                         "(default: charlm)")
-    p.add_argument("--optimizer", default="adamw", metavar="{adamw,adam,sgd,lion}[,...]",
+    p.add_argument("--optimizer", default="adamw", metavar="{adamw,adam,sgd,lion,muon}[,...]",
                    help="qconf.optim optimizer(s) for every CONFIG without @ (sgd uses momentum 0.9); default adamw")
     p.add_argument("--steps", type=int, default=None, metavar="N", help="training steps per run (default: the task's)")
     p.add_argument("--seeds", type=int, default=None, metavar="K", help="seeds 0..K-1 per row (default 2)")
@@ -106,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=1, metavar="N", help="runs at a time, in worker processes (default 1)")
     p.add_argument("--opt-arg", action="append", default=[], metavar="[OPT:]KEY=VALUE",
                    help="extra optimizer argument, e.g. eps=1e-6, weight_decay=0, betas=0.9,0.95, or for one "
-                        "optimizer lion:weight_decay=0.1 (repeatable)")
+                        "optimizer lion:weight_decay=0.1, a mapping's key muon:adamw.lr=3e-3 (repeatable)")
     p.add_argument("--reference", default=None, metavar="NAME",
                    help="the row every other row is compared with (default: the first fp32 row, else the first)")
     p.add_argument("--gradient-release", action="store_true",
@@ -139,9 +139,11 @@ def parse_opt_args(items: list[str]) -> dict[str, Any]:
         key, eq, value = item.partition("=")
         scope, colon, key = key.strip().rpartition(":") if ":" in key else ("", "", key)
         key = key.strip().replace("-", "_")
-        if not eq or not key.isidentifier() or not value.strip():
-            raise StudyError(f"--opt-arg {item!r} is not [OPTIMIZER:]KEY=VALUE (e.g. eps=1e-6, lion:weight_decay=0.1)")
-        if key in ("lr", "qconfig", "fused", "params"):
+        *outer, key = key.split(".")  # muon:adamw.lr=3e-3 -> {"muon": {"adamw": {"lr": 0.003}}}
+        if not eq or not all(k.isidentifier() for k in (*outer, key)) or not value.strip():
+            raise StudyError(f"--opt-arg {item!r} is not [OPTIMIZER:]KEY=VALUE (e.g. eps=1e-6, lion:weight_decay=0.1, "
+                             "muon:adamw.lr=3e-3)")
+        if not outer and key in ("lr", "qconfig", "fused", "params"):
             raise StudyError(f"--opt-arg {key}: set it with --{key}" if key in ("lr", "fused")
                              else f"--opt-arg {key} cannot be set (the study sets it)")
         from .runner import OPTIMIZERS  # (qconf.optim: loaded only when compare runs)
@@ -150,6 +152,10 @@ def parse_opt_args(items: list[str]) -> dict[str, Any]:
             raise StudyError(f"--opt-arg {item!r}: unknown optimizer {scope.strip()!r} (choose from "
                              f"{', '.join(OPTIMIZERS)})")
         target = out.setdefault(scope.strip(), {}) if colon else out
+        for k in outer:
+            target = target.setdefault(k, {})
+            if not isinstance(target, dict):
+                raise StudyError(f"--opt-arg {item!r}: {k} is given both as a value and as a mapping")
         target[key] = _parse_value(value)
     return out
 

@@ -37,7 +37,8 @@ from ..nn import quantize_
 from .. import optim as qoptim
 from .task import Task
 
-OPTIMIZERS: dict[str, type] = {"adamw": qoptim.AdamW, "adam": qoptim.Adam, "sgd": qoptim.SGD, "lion": qoptim.Lion}
+OPTIMIZERS: dict[str, type] = {"adamw": qoptim.AdamW, "adam": qoptim.Adam, "sgd": qoptim.SGD, "lion": qoptim.Lion,
+                               "muon": qoptim.Muon}
 #: optimizer arguments the study adds to the optimizer's own defaults
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {"sgd": {"momentum": 0.9}}
 #: quantization off (= configs/fp32.yml), for the shadow optimizer
@@ -123,13 +124,14 @@ class _Shadow:
         self.opt = make_optimizer(opt_name, [(n, s) for (n, _), (_, s) in zip(named, self.pairs)], lr=lr,
                                   qconfig=load_config(FP32_CONFIG), fused=fused, kwargs=kwargs)
 
-    def feed(self, lr: float, grads: bool = True) -> None:
-        """Take the model's current parameters and a copy of its gradients (call before the real
-        step; ``grads=False``: the hooks of :meth:`feed_in_backward` took them already)."""
+    def feed(self, lrs: list[float], grads: bool = True) -> None:
+        """Take the model's current parameters, a copy of its gradients (call before the real
+        step; ``grads=False``: the hooks of :meth:`feed_in_backward` took them already) and each
+        param group's lr (``lrs``: the groups correspond -- Muon's two parts have their own)."""
         if grads:
             for p, s in self.pairs:
                 self._take(p, s)
-        for g in self.opt.param_groups:
+        for g, lr in zip(self.opt.param_groups, lrs, strict=True):
             g["lr"] = lr
 
     def feed_in_backward(self) -> None:
@@ -273,7 +275,7 @@ def train_run(task: Task, qconfig: QConfig, label: str, seed: int, *, optimizer:
             loss.backward()
             t1 = time.perf_counter()
             if shadow is not None:  # not timed
-                shadow.feed(opt.param_groups[0]["lr"], grads=not release)
+                shadow.feed([g["lr"] for g in opt.param_groups], grads=not release)
             t2 = time.perf_counter()
             opt.step()
             t3 = time.perf_counter()
