@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -85,6 +86,19 @@ def test_bf16_parameters_step_as_torch_muon_in_fp32_rounded_once(fused, adjust_l
         torch_opt.step()
         for p, q in zip(ours, oracle):
             assert torch.equal(p.detach(), q.detach().bfloat16())
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_float64_parameters_step_in_float64_as_torch_muon(fused):
+    """fp64 is not fused: fused=None takes the reference path (with a warning), which keeps an
+    fp64 momentum, as torch's does."""
+    ours, theirs = _params(SHAPES[:3], dtype=torch.float64), _params(SHAPES[:3], dtype=torch.float64)
+    grads = _grads(SHAPES[:3], 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _run(Muon(ours, qconfig=FP32, fused=fused), ours, grads)
+    _run(torch.optim.Muon(theirs), theirs, grads)
+    _assert_equal(ours, theirs)
 
 
 def test_newton_schulz_is_torchs_bit_for_bit():

@@ -189,3 +189,9 @@ def test_memory_report_counts_one_state_per_muon_matrix():
     for cfg, low, high in (("muon_8bit.yml", 1.0, 1.05), ("fp32.yml", 4.0, 4.0)):
         report = qconf.memory_report(Muon(model.named_parameters(), qconfig=CONFIGS / cfg))
         assert low <= report.bytes_per_param <= high
+
+
+def test_export_to_torch_is_refused_with_the_reason():
+    opt = Muon(TinyLM().named_parameters())
+    with pytest.raises(ValueError, match="two torch optimizers"):
+        qconf.optim.export_torch_state_dict(opt)

@@ -35,8 +35,10 @@ from .base import QOptimizer
 from .fused import FusedParam, run_one
 from .muon_routing import ADAMW, MUON, Router, muon_refusal
 from .newton_schulz import adjusted_lr, zeropower
+from .params import compute_dtype
 from .sharded import is_sharded
 from .spec import Hyper, Slot, StateSpec
+from .weights import LOW_PRECISION
 
 __all__ = ["Muon", "MUON_KEYS", "ADAMW_DEFAULTS"]
 
@@ -296,8 +298,9 @@ class Muon(QOptimizer):
         step = int(state["step"].item())
         momentum = group["momentum"]
         buf = state["momentum_buffer"]
-        b = buf.decode() if isinstance(buf, QTensor) else buf
-        g = p.grad.float()
+        dtype = compute_dtype(p)  # float64 parameters keep float64 (as their momentum), all else fp32
+        b = buf.decode().to(dtype) if isinstance(buf, QTensor) else buf
+        g = p.grad.to(dtype)
         b.lerp_(g, 1 - momentum)
         u = g.lerp(b, momentum) if group["nesterov"] else b
         o = zeropower(u.bfloat16(), group["ns_coefficients"], group["ns_steps"], group["eps"])
@@ -305,7 +308,7 @@ class Muon(QOptimizer):
             self._store(state, "momentum_buffer", "exp_avg", b, step, index, None, [])
         del u, b, g
         lr = scalar(group["lr"])
-        low = p.dtype != torch.float32
+        low = p.dtype in LOW_PRECISION
         p32 = p.float() if low else p
         p_old = p.float() if low and "kahan_comp" in state else None
         p32.mul_(1 - lr * group["weight_decay"])

@@ -16,6 +16,8 @@ the normalized error of every state is measured over all parameters::
 (q: the state of the optimizer under test, s: the shadow's fp32 state). For AdamW/Lion/SGD without
 coupled weight decay the states depend on the gradients alone, so the shadow's parameters do not
 matter; syncing them makes the measurement exact for coupled decay (Adam, SGD ``weight_decay``) too.
+Muon's momentum depends on the gradients alone as well, so its shadow skips Newton–Schulz
+(``ns_steps=0``: on the CPU the bf16 iterations are most of a Muon step).
 For Adam/AdamW two diagnostics of the second moment's zero point are added: ``v_zero`` -- the share
 of elements whose fp32 ``v`` is positive but whose stored ``v`` decodes to exactly 0 -- and
 ``update`` -- the nmse of the update direction ``m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
@@ -121,6 +123,8 @@ class _Shadow:
     def __init__(self, opt_name: str, named: list[tuple[str, torch.nn.Parameter]], lr: float, fused: bool | None,
                  kwargs: dict[str, Any] | None) -> None:
         self.pairs = [(p, p.detach().clone()) for _, p in named]
+        if opt_name == "muon":  # its momentum depends on the gradients alone and the parameters are
+            kwargs = {**(kwargs or {}), "ns_steps": 0}  # synced before each step: Newton–Schulz is not needed
         self.opt = make_optimizer(opt_name, [(n, s) for (n, _), (_, s) in zip(named, self.pairs)], lr=lr,
                                   qconfig=load_config(FP32_CONFIG), fused=fused, kwargs=kwargs)
 
