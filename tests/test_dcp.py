@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint (DCP): qconf's own section (seed, overrides, qconfig) survives
 ``get_optimizer_state_dict`` -> ``dcp.save`` -> ``dcp.load`` -> ``set_optimizer_state_dict``, so a
-stochastic-rounding run resumed through DCP is bit-identical to one that never stopped.
+stochastic-rounding run resumed through DCP is bit-identical to one that never stopped -- AdamW,
+and the Muon hybrid (Muon's quantized momentum and its AdamW part's states, one optimizer).
 
 Single process: DCP runs without a process group (``no_dist``); the state-dict helpers need none.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qconf.optim import AdamW, export_torch_state_dict
+from qconf.codec import QTensor
+from qconf.optim import AdamW, Muon, export_torch_state_dict
 
 from helpers import CONFIGS, assert_same_state, flat_state, mlp, regression_batches
 
@@ -96,3 +98,81 @@ def test_export_from_a_dcp_resumed_optimizer_loads_into_torch(tmp_path):
     sd = export_torch_state_dict(opt2)
     assert all("qconf" not in g for g in sd["param_groups"])
     torch.optim.AdamW(model2.parameters()).load_state_dict(sd)
+
+
+# -- Muon: the hybrid on a small named model ---------------------------------------------------
+#: both parts quantized with stochastic rounding (the seed matters): Muon's momentum 8-bit linear
+#: (configs/muon_8bit.yml's map), the AdamW part's exp_avg/exp_avg_sq down to 64 elements
+MUON_SR_CFG = {"min_numel": 64,
+               "states": {"exp_avg": {"bits": 8, "map": "linear", "group_size": 256, "rounding": "stochastic"},
+                          "exp_avg_sq": {"bits": 8, "group_size": 256, "rounding": "stochastic"}}}
+
+
+class _TinyLM(torch.nn.Module):
+    """An embedding and an output head (AdamW by name), two hidden matrices (Muon), biases."""
+
+    def __init__(self, seed: int, vocab: int = 40, d: int = 32):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.fc2 = torch.nn.Linear(4 * d, d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.wte(tokens)
+        return self.lm_head(h + self.fc2(torch.tanh(self.fc1(h))))
+
+
+def _lm_step(model, opt, tokens):
+    opt.zero_grad()
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1)).backward()
+    opt.step()
+
+
+def _muon(model, seed, fused):
+    return Muon(model.named_parameters(), lr=0.02, adamw={"lr": 3e-3}, qconfig=MUON_SR_CFG, fused=fused, seed=seed)
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_dcp_resume_of_the_muon_hybrid_is_bit_identical(tmp_path, fused):
+    """The hybrid saved through DCP halfway and loaded into a fresh optimizer (other seed, other
+    weights; DCP's zero-grad lr=0 init step first, which must leave the weights alone) continues
+    exactly as the run that never stopped: parameters and every state, the seed included."""
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 40, (4, 9), generator=g) for _ in range(STEPS)]
+    ref_model = _TinyLM(3)
+    ref = _muon(ref_model, 1, fused)
+    assert ref.routing() == {"fc1.weight": "muon", "fc2.weight": "muon", "wte.weight": "adamw", "fc1.bias": "adamw",
+                             "fc2.bias": "adamw", "lm_head.weight": "adamw"}
+    for tokens in batches:
+        _lm_step(ref_model, ref, tokens)
+
+    model = _TinyLM(3)
+    opt = _muon(model, 1, fused)
+    for tokens in batches[:SPLIT]:
+        _lm_step(model, opt, tokens)
+    osd = get_optimizer_state_dict(model, opt)
+    assert {k for entry in osd["state"].values() for k in entry} == {"step", "momentum_buffer", "exp_avg",
+                                                                     "exp_avg_sq"}
+    assert [g["use_muon"] for g in osd["param_groups"]] == [True, False]
+    dcp.save({"model": model.state_dict(), "optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+
+    model2 = _TinyLM(99)
+    opt2 = _muon(model2, 12345, fused)
+    before = [p.detach().clone() for p in model2.parameters()]
+    template = {"model": model2.state_dict(), "optim": get_optimizer_state_dict(model2, opt2)}
+    for a, b in zip(before, model2.parameters()):
+        assert torch.equal(a, b)  # the init step (lr=0, zero gradients) moved nothing
+    dcp.load(template, checkpoint_id=str(tmp_path / "ckpt"))
+    model2.load_state_dict(template["model"])
+    set_optimizer_state_dict(model2, opt2, template["optim"])
+    assert opt2._seed == 1
+    assert isinstance(opt2.state[model2.fc1.weight]["momentum_buffer"], QTensor)
+    for tokens in batches[SPLIT:]:
+        _lm_step(model2, opt2, tokens)
+
+    for a, b in zip(ref_model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+    assert_same_state(flat_state(ref), flat_state(opt2))

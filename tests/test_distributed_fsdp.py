@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``, DTensor parameters) on 2 gloo ranks: the quantization of every state is
 the unsharded run's (plans, codes, scales, params bit for bit when fed the same gradients), DCP
-checkpoints reshard 2 -> 1 -> 2 ranks, ``get/set_optimizer_state_dict`` round-trip exactly, and a
-bad distributed checkpoint is refused on every rank with the optimizer left as it was.
+checkpoints reshard 2 -> 1 -> 2 ranks, ``get/set_optimizer_state_dict`` round-trip exactly, a
+bad distributed checkpoint is refused on every rank with the optimizer left as it was, and Muon
+refuses sharded matrices by name while its AdamW part trains them as qconf AdamW does.
 (docs/distributed.md states the semantics these tests check.)"""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import fsdp_workers as W
+import qconf.optim as qo
 from qconf._native import fused_available as native_fused
 from dist_harness import spawn
 
@@ -203,3 +205,61 @@ def test_a_bad_distributed_checkpoint_is_refused_on_every_rank_and_changes_nothi
         assert "shape" in report[1], report[1]
         assert "fused=True" in report[2] and "block.mlp.0.weight" in report[2], report[2]
         assert "shard boundary inside a 64-element block" in report[2], report[2]
+
+
+def _muon_rank(rank: int, world: int) -> dict:
+    """Muon on the sharded model: the errors of routing its sharded matrices to Muon (by default
+    routing, and in a use_muon=True group of named or of plain tensors), the routing with every
+    parameter sent to AdamW (route, and a use_muon=False group), and, trained 5 steps through
+    backward, that hybrid's losses, parameters and states next to qconf AdamW's on a second copy."""
+    errors = {}
+    model = W.shard(W.make_model(), world)
+    matrices = [(n, p) for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("block.")]
+    for how, params in (("routed", model.named_parameters()),
+                        ("named group", [{"params": matrices, "use_muon": True}]),
+                        ("plain group", [{"params": [p for _, p in matrices], "use_muon": True}])):
+        try:
+            qo.Muon(params, qconfig=W.QCONFIG)
+            errors[how] = None
+        except ValueError as e:
+            errors[how] = str(e)
+    group = qo.Muon([{"params": list(model.named_parameters()), "use_muon": False}], qconfig=W.QCONFIG)
+    hybrid = qo.Muon(model.named_parameters(), route={"*": "adamw"}, adamw={"lr": 3e-3, "weight_decay": 0.01},
+                     qconfig=W.QCONFIG_SR, seed=7)
+    routing = {"route": hybrid.routing(), "group": group.routing()}
+    losses = W.train(hybrid, model, 5, 0, rank, world)
+    other = W.shard(W.make_model(), world)
+    adamw = qo.AdamW(other.named_parameters(), lr=3e-3, weight_decay=0.01, qconfig=W.QCONFIG_SR, seed=7)
+    return {"errors": errors, "routing": routing, "losses": (losses, W.train(adamw, other, 5, 0, rank, world)),
+            "params": [{n: p.full_tensor() for n, p in m.named_parameters()} for m in (model, other)],
+            "states": (W.full_states(hybrid, model), W.full_states(adamw, other))}
+
+
+def test_muon_refuses_sharded_matrices_and_its_adamw_part_trains_them_as_adamw():
+    """Newton–Schulz needs the whole matrix and qconf does not gather it: a sharded 2-D weight that
+    the routing (or a use_muon=True group) gives Muon is a ValueError at construction, on every
+    rank, naming the parameter and the way out. Routed to AdamW (route={"*": "adamw"} or a
+    use_muon=False group), the sharded model trains through backward exactly as under qconf AdamW
+    with the same hyperparameters: losses, parameters and every state (codes, scales, codec) bit
+    for bit, with stochastic rounding."""
+    for rank, got in enumerate(spawn(_muon_rank, 2)):
+        errors = got["errors"]
+        for how in ("routed", "named group"):  # the first matrix Muon takes (emb.weight goes to AdamW by name)
+            assert errors[how] is not None and "'block.qkv.weight'" in errors[how], (rank, how, errors[how])
+        for how, e in errors.items():
+            assert e is not None and "sharded (an FSDP2 DTensor)" in e and "Newton–Schulz needs the whole matrix" in e \
+                and "route it to 'adamw'" in e, (rank, how, e)
+        names = [n for n, _ in W.make_model().named_parameters()]
+        assert got["routing"]["route"] == got["routing"]["group"] == dict.fromkeys(names, "adamw"), rank
+        ours, theirs = got["losses"]
+        assert ours == theirs and ours[-1] < ours[0], (rank, ours, theirs)
+        for name in names:
+            assert torch.equal(got["params"][0][name], got["params"][1][name]), (rank, name)
+        ours, theirs = got["states"]
+        assert ours.keys() == theirs.keys(), rank
+        for name, want in theirs.items():
+            assert ours[name].keys() == want.keys(), (rank, name)
+            for key, value in want.items():
+                assert ours[name][key][0] == value[0], (rank, name, key)
+                assert all(_same(a, b) for a, b in zip(ours[name][key][1:], value[1:])), (rank, name, key)
+        assert any(v[0] == "q" for entry in theirs.values() for v in entry.values()), "no quantized state"

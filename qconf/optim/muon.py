@@ -139,11 +139,11 @@ class Muon(QOptimizer):
             if not isinstance(p, torch.Tensor):
                 parts[False].append(x)  # torch's add_param_group names what is wrong with it
                 continue
-            rule, explicit = router.rule(name, p)
-            why = muon_refusal(p) if rule == MUON else None
+            rule, _ = router.rule(name, p)
+            why = muon_refusal(p) if rule == MUON else None  # (the default routing picks real matrices only)
             if why is not None:
-                raise ValueError(f"Muon: parameter {name or i!r} is routed to Muon ({'explicitly' if explicit else ''}"
-                                 f") but {why}")
+                raise ValueError(f"Muon: parameter {name or i!r} is routed to Muon (by route= or the qconfig's "
+                                 f"'optimizer' override) but {why}")
             parts[rule == MUON].append(x if isinstance(x, tuple) or not name else (name, p))
         return parts
 
@@ -158,13 +158,14 @@ class Muon(QOptimizer):
         super().add_param_group({**group, **checked})
         added = self.param_groups[-1]
         if use_muon:
-            names = added.get("param_names") or [""] * len(added["params"])
-            for name, p in zip(names, added["params"]):
+            first = sum(len(g["params"]) for g in self.param_groups[:-1])
+            for i, p in enumerate(added["params"]):
                 why = muon_refusal(p) or (_SHARDED if is_sharded(p) else None)
                 if why is not None:
+                    where = self._describe(first + i)
                     del self.param_groups[-1]
                     self._index_cache = None
-                    raise ValueError(f"Muon: parameter {name!r} of a use_muon=True group: {why}")
+                    raise ValueError(f"Muon: {where} of a use_muon=True group: {why}")
         else:
             for key in MUON_KEYS:
                 if key not in ADAMW_DEFAULTS:
