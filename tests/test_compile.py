@@ -21,7 +21,7 @@ import torch
 import torch._dynamo.testing
 
 from qconf import _native
-from qconf.optim import SGD, Adam, AdamW, Lion
+from qconf.optim import SGD, Adam, AdamW, Lion, Muon
 
 from helpers import assert_same_state, flat_state
 
@@ -82,7 +82,10 @@ def _compare_training(make, dtype=torch.float32):
     lambda m: AdamW(m.parameters(), lr=1e-2, fused=False),
     lambda m: SGD(m.parameters(), lr=1e-2, momentum=0.9, qconfig=FP32, fused=False),
     pytest.param(lambda m: AdamW(m.parameters(), lr=1e-2, fused=True), marks=needs_fused),
-], ids=["adamw-default-reference", "sgd-fp32-reference", "adamw-default-fused"])
+    lambda m: Muon(m.named_parameters(), lr=0.02, adamw={"lr": 1e-2}, fused=False),
+    pytest.param(lambda m: Muon(m.named_parameters(), lr=0.02, adamw={"lr": 1e-2}, fused=True), marks=needs_fused),
+], ids=["adamw-default-reference", "sgd-fp32-reference", "adamw-default-fused", "muon-default-reference",
+        "muon-default-fused"])
 def test_compiled_training_step_matches_eager(make):
     """Item 8(a): with fused=False this failed with a fake-tensor broadcast error after the
     per-parameter .item() graph break (Dynamo reused a resumed frame compiled for another
@@ -148,6 +151,30 @@ def test_fullgraph_fused_step_matches_eager(rule):
     assert counter.frame_count == (2 if rule.startswith("sgd") else 1)
 
 
+def _muon(fused):
+    """Muon for both weights (80x64: its momentum 4-bit under the default qconfig; 4x80: fp32), the
+    AdamW part for the biases."""
+    return lambda m: Muon(m.named_parameters(), lr=0.02, adamw={"lr": 1e-2}, seed=3, fused=fused)
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_fused)])
+def test_compiled_muon_step_matches_eager(fused):
+    """torch.compile(opt.step) of a Muon hybrid: the Muon groups step outside the graph (their
+    Newton–Schulz is host-driven), the AdamW part as any qconf group; the run is eager's bit for
+    bit. fullgraph=True cannot hold the Muon groups and says so (it changes no parameter)."""
+    make = _muon(fused)
+    eager = _fused_runs(make, lambda opt: opt.step())
+    comp = _fused_runs(make, _compiled("aot_eager", fullgraph=False))
+    assert comp[1].routing() == {"0.weight": "muon", "2.weight": "muon", "0.bias": "adamw", "2.bias": "adamw"}
+    _assert_runs_equal(*eager, *comp)
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    _set_grads(model, 0)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="_muon_group|_reference_group"):
+        torch.compile(make(model).step, fullgraph=True, backend="aot_eager")()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 @needs_fused
 def test_fullgraph_fused_step_with_inductor_matches_eager():
     make = RULES["adamw-default"]
@@ -180,3 +207,17 @@ def test_compiled_fused_true_names_what_it_cannot_fuse():
     with pytest.raises(RuntimeError, match=r"AdamW\(fused=True\) cannot fuse: parameter 0 has dtype torch.float64"):
         torch.compile(opt.step, fullgraph=True, backend="aot_eager")()
     assert not opt.state  # refused before any state was created
+
+
+def test_a_compiled_step_with_host_groups_still_traces_the_fused_groups():
+    """Muon's matrices (and reference-path groups) step outside the graph; the graph break must
+    not make Dynamo skip the whole step: the AdamW part's fused op is in the traced graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _fused_runs(_muon(True), _compiled(backend, fullgraph=False))
+    ops = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.qconf.fused_step in ops

@@ -84,9 +84,10 @@ def test_a_parameter_muon_cannot_take_is_refused_by_name(how):
 
 
 def test_plain_tensors_route_by_shape_and_3d_goes_to_adamw():
-    mats = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(2, 3, 4))]
+    mats = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(2, 3, 4)),
+            nn.Parameter(torch.randn(5, 0))]
     opt = Muon(mats)
-    assert opt.routing() == {"0": "muon", "1": "adamw", "2": "adamw"}
+    assert opt.routing() == {"0": "muon", "1": "adamw", "2": "adamw", "3": "adamw"}  # (torch's Muon divides by 0)
 
 
 def _same_grads(models, steps, seed=0):

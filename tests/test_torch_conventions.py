@@ -1,6 +1,6 @@
 """torch.optim conventions the optimizer base keeps (issue 14): float64 and complex parameters,
 ``opt.state.clear()`` under the fused plan cache, duplicate parameters, deepcopy and pickle,
-zero-size factored parameters."""
+zero-size factored parameters. Muon (with its AdamW part) keeps them too."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from qconf.optim import SGD, Adam, AdamW, Lion
+from qconf.optim import SGD, Adam, AdamW, Lion, Muon
 
 from helpers import CONFIGS, assert_same_state, flat_state
 
@@ -26,6 +26,21 @@ def _lion_step(p, g, m, lr, betas, wd):
     mr.mul_(betas[1]).add_((1 - betas[1]) * gr)
 
 
+class _TorchMuonAdamW:
+    """torch.optim.Muon for the real matrices, torch.optim.AdamW for the rest (complex matrices
+    included): qconf Muon's routing of plain tensors, as two torch optimizers."""
+
+    def __init__(self, params):
+        mats = [p for p in params if p.dim() == 2 and not p.is_complex()]
+        rest = [p for p in params if not (p.dim() == 2 and not p.is_complex())]
+        self.opts = ([torch.optim.Muon(mats, lr=0.02, weight_decay=0.1)] if mats else []) + \
+            [torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.05)]
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
 _RULES = {
     "AdamW": (lambda ps: AdamW(ps, lr=3e-3, weight_decay=0.05, qconfig=FP32),
               lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.05)),
@@ -34,6 +49,8 @@ _RULES = {
     "SGD": (lambda ps: SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, qconfig=FP32),
             lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
     "Lion": (lambda ps: Lion(ps, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1, qconfig=FP32), None),
+    "Muon": (lambda ps: Muon(ps, lr=0.02, weight_decay=0.1, adamw={"lr": 3e-3, "weight_decay": 0.05}, qconfig=FP32),
+             _TorchMuonAdamW),
 }
 
 
@@ -115,7 +132,8 @@ def _steps(model, opt, n, seed=1):
         opt.step()
 
 
-@pytest.mark.parametrize("make", [lambda ps, f: AdamW(ps, fused=f), lambda ps, f: SGD(ps, lr=0.1, momentum=0.9, fused=f)])
+@pytest.mark.parametrize("make", [lambda ps, f: AdamW(ps, fused=f), lambda ps, f: SGD(ps, lr=0.1, momentum=0.9, fused=f),
+                                  lambda ps, f: Muon(ps, lr=0.02, fused=f)], ids=["AdamW", "SGD", "Muon"])
 def test_state_clear_restarts_states_on_both_paths(make):
     """After opt.state.clear() the next step starts fresh states (torch's semantics); the fused
     path's cached plan must not keep updating the orphaned tensors."""
@@ -146,13 +164,27 @@ def test_duplicate_parameter_in_a_group_is_refused():
     with pytest.raises(ValueError, match="param group 1 lists the same parameter twice"):
         opt.add_param_group({"params": [("a", w), ("b", w)]})
     assert len(opt.param_groups) == 1
+    # Muon: a group is split by rule first; each part is checked (matrices and vectors alike)
+    m = torch.nn.Parameter(torch.zeros(3, 2))
+    for params in ([w, w], [m, w, m]):
+        with pytest.raises(ValueError, match="param group 0 lists the same parameter twice"):
+            Muon(params)
+    opt = Muon([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="param group 1 lists the same parameter twice"):
+        opt.add_param_group({"params": [("a", m), ("b", m)]})
+    assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("rule", ["AdamW", "Muon"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_deepcopy_and_pickle_keep_qconf_settings(fused):
+def test_deepcopy_and_pickle_keep_qconf_settings(fused, rule):
     qconfig = {"states": {"exp_avg": {"rounding": "stochastic"}}}
     model = _model()
-    opt = AdamW(model.named_parameters(), qconfig=qconfig, seed=7, fused=fused)
+    if rule == "AdamW":
+        opt = AdamW(model.named_parameters(), qconfig=qconfig, seed=7, fused=fused)
+    else:  # its AdamW part's defaults and its route are settings of its own
+        opt = Muon(model.named_parameters(), lr=0.02, adamw={"lr": 3e-3, "betas": (0.8, 0.9)},
+                   route={"extra.*": "adamw"}, qconfig=qconfig, seed=7, fused=fused)
     _steps(model, opt, 2)
     model2, opt2 = copy.deepcopy((model, opt))
     buf = io.BytesIO()
@@ -168,6 +200,14 @@ def test_deepcopy_and_pickle_keep_qconf_settings(fused):
     for m in (model2, model3, model4):
         for pa, pb in zip(model.parameters(), m.parameters()):
             assert torch.equal(pa, pb)
+    if rule == "Muon":
+        for o in (opt, opt2, opt3, opt4):
+            assert o.routing() == {"0.weight": "muon", "1.weight": "muon", "0.bias": "adamw", "1.bias": "adamw"}
+            o.add_param_group({"params": [("extra.weight", torch.nn.Parameter(torch.zeros(3, 3))),
+                                          ("more.weight", torch.nn.Parameter(torch.zeros(3, 3)))]})
+            assert o.routing()["extra.weight"] == "adamw" and o.routing()["more.weight"] == "muon"
+            assert [(g["use_muon"], g["lr"], g.get("betas")) for g in o.param_groups[2:]] == [
+                (True, 0.02, None), (False, 3e-3, (0.8, 0.9))]
 
 
 @pytest.mark.parametrize("shape", [(5, 0), (3, 0, 4), (0, 6), (0,)])

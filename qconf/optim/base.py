@@ -255,8 +255,9 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
             with torch.enable_grad():
                 loss = closure()
         if self._kernel is not None and torch.compiler.is_compiling():
-            for group in self._compiled_fused_steps():  # (fused.CompiledFusedSteps)
-                self._reference_group(group)
+            rest = self._compiled_fused_steps()  # (fused.CompiledFusedSteps)
+            if rest:  # one graph break outside any loop: inside step's loop Dynamo would skip the whole frame
+                self._reference_groups(rest)
             return loss
         sharded = []
         for group in self.param_groups:
@@ -269,6 +270,12 @@ class QOptimizer(NamedParams, ReferenceSteps, ShardedSteps, CompiledFusedSteps, 
         if sharded:
             self._sharded_step(sharded)
         return loss
+
+    @torch._disable_dynamo
+    def _reference_groups(self, groups: list[dict[str, Any]]) -> None:
+        """The groups a compiled step leaves to the host (reference path, Muon's matrices)."""
+        for group in groups:
+            self._reference_group(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; while gradient release runs, only for the gradients still held

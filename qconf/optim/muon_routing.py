@@ -7,7 +7,7 @@ the first that applies:
 1. the constructor's ``route`` (``{pattern: "muon" | "adamw"}``, patterns as the qconfig's
    ``match``: an fnmatch glob on the qualified name, or ``re:<regex>``; the last matching wins);
 2. the qconfig: the last override that matches it and sets ``optimizer`` (docs/config.md);
-3. by shape and name: a real 2-D parameter whose name matches none of
+3. by shape and name: a real, non-empty 2-D parameter whose name matches none of
    :data:`DEFAULT_ADAMW_NAMES` (embeddings, output heads) takes Muon; everything else AdamW.
 
 A parameter routed to Muon explicitly that Muon cannot step (not 2-D, complex) is refused with a
@@ -66,7 +66,7 @@ class Router:
             chosen = self.qconfig.optimizer_route(name, tuple(p.shape))
         if chosen is not None:
             return chosen, True
-        if p.dim() != 2 or p.is_complex() or any(r.fullmatch(name) for r in _DEFAULTS):
+        if muon_refusal(p) is not None or any(r.fullmatch(name) for r in _DEFAULTS):
             return ADAMW, False
         return MUON, False
 
@@ -80,4 +80,6 @@ def muon_refusal(p: Any) -> str | None:
     if p.dim() != 2:
         return (f"it has shape {tuple(p.shape)}; Muon steps 2-D matrices (route it to 'adamw', or reshape it into "
                 "a matrix in the model)")
+    if p.numel() == 0:
+        return f"it is empty (shape {tuple(p.shape)}): there is no matrix to orthogonalize"
     return None
