@@ -4,6 +4,7 @@ with torch AdamW, qconf 4-bit / 8-bit (with and without gradient release), torch
 and flashoptim, split into params, grads, optimizer states and other.
 
     python benchmarks/bench_memory.py [--device cpu|cuda] [--memory-steps N] [--contenders GLOB,...] [--json out.json]
+    python benchmarks/bench_memory.py --muon --device cpu    (the Muon rows, on the 0.93M-parameter `small` model)
 
 A thin wrapper around ``qconf bench --memory`` (:mod:`qconf.bench.memory`, where the method and
 the attribution are described).

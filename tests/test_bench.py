@@ -22,7 +22,7 @@ from qconf.cli import main as cli_main
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = ["contender", "params", "ns/param", "x fused med", "x fused min", "rounds", "state B/param",
            "peak extra RSS", "note"]
-FOOTNOTES = ("cost: ", "noise: ", "* slow contender", "peak extra RSS:")
+FOOTNOTES = ("cost: ", "noise: ", "* slow contender", "peak extra RSS:", "median step: ")
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
@@ -172,6 +172,94 @@ def test_many_vs_one_overhead_line():
     assert text.splitlines()[1] == "qconf fused default.yml (float32): 1.50x"
     assert bench.SIZE_GROUPS["all"] == ["big", "many", "one"]
     assert math.prod(bench.SIZES["one"][0]) == sum(math.prod(s) for s in bench.SIZES["many"])
+
+
+# -- --muon: qconf Muon beside torch.optim.Muon ----------------------------------------------------------
+MUON_COLUMNS = ["contender", "params", "ns/param", "x Muon med", "x Muon min", "rounds", "state B/param",
+                "peak extra RSS", "note"]
+MUON_KEYS = ["torch-muon", "qconf-muon-8bit", "qconf-muon-default"]
+
+
+def test_muon_roster_builds_its_contenders():
+    """torch.optim.Muon (the baseline) and qconf.optim.Muon with 8-bit linear / 4-bit nonlinear momentum, all
+    on fp32 matrices with the same hyperparameters; built here on two small matrices (no step)."""
+    import torch
+
+    from qconf.bench import roster
+    from qconf.optim import Muon
+
+    rows = bench.contenders(muon=True)
+    assert [c.key for c in rows] == MUON_KEYS and roster.baseline_key(True) == "torch-muon"
+    assert roster.BASELINE_TEXT["torch-muon"] == ("Muon", "torch.optim.Muon fp32")
+    assert all(c.dtype == torch.float32 and c.requires is None for c in rows)
+    assert not {c.key for c in rows} & {c.key for c in bench.contenders()}  # its own roster
+    opts = [c.build([torch.zeros(s, requires_grad=True) for s in bench.SIZES["muon"]]) for c in rows]
+    assert type(opts[0]) is torch.optim.Muon
+    assert all(isinstance(o, Muon) and o.routing() == {"0": "muon", "1": "muon"} for o in opts[1:])
+    for o in opts:
+        group = o.param_groups[0]
+        assert (group["lr"], group["weight_decay"]) == (roster.LR, roster.WEIGHT_DECAY)
+        assert (group["momentum"], group["nesterov"], group["ns_steps"]) == (0.95, True, 5)  # torch's defaults
+    exp_avg = [o.qconfig.states["exp_avg"] for o in opts[1:]]
+    assert [(s.bits, s.map, s.group_size) for s in exp_avg] == [(8, "linear", 256), (4, "nonlinear", 128)]
+    # the CUDA roster pins the qconf rows' kernels, as for AdamW
+    cuda = bench.contenders(muon=True, device="cuda")
+    assert [c.key for c in cuda] == ["torch-muon", "qconf-muon-8bit", "qconf-muon-8bit-specialized",
+                                     "qconf-muon-default", "qconf-muon-default-specialized"]
+
+
+def test_muon_smoke_run_table_and_json(tmp_path, capsys):
+    """`--muon` times the three rows in the same rounds on the same matrices; the ratios are to torch.optim.Muon,
+    the state bytes are the momentum's (torch fp32: 4 B; 8-bit linear group-256: 1 + 4/256; 4-bit group-128:
+    0.5 + 4/128), and the RSS child finds a Muon contender."""
+    out_json = tmp_path / "muon.json"
+    code = bench.main(["--muon", "--size", "muon-smoke", "--rounds", "2", "--warmup", "1", "--quiet",
+                       "--rss-contenders", "qconf-muon-8bit", "--json", str(out_json)], prog="qconf bench")
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "\ncommand: qconf bench --muon --size muon-smoke --rounds 2 " in out
+    assert "ratios = median (min) over rounds of step time / torch.optim.Muon fp32 step time in the same round" in out
+    header, *rows = _table_lines(out, "muon-smoke")
+    positions = [header.index(c) for c in MUON_COLUMNS]
+    assert positions == sorted(positions)
+    result = json.loads(out_json.read_text())
+    assert result["settings"]["muon"] is True and result["settings"]["baseline"] == "torch-muon"
+    res = result["sizes"]["muon-smoke"]
+    assert res["baseline"] == "torch-muon" and res["numel"] == 2 * 64 * 128
+    by_key = {r["key"]: r for r in res["rows"]}
+    assert [r["key"] for r in res["rows"]] == MUON_KEYS and len(rows) == 3
+    for key, line in zip(MUON_KEYS, rows):
+        r = by_key[key]
+        assert r["status"] == "ok", (key, r["error"])
+        assert line.startswith(r["label"]) and r["ns_per_param"] > 0 and r["ratio_median"] > 0
+        assert r["rounds_timed"] == 2
+    assert rows[0].startswith("torch Muon  (baseline)") and by_key["torch-muon"]["ratios"] == [1.0, 1.0]
+    assert by_key["torch-muon"]["state_bytes_per_param"] == pytest.approx(4.0)
+    assert by_key["qconf-muon-8bit"]["state_bytes_per_param"] == pytest.approx(1 + 4 / 256)
+    assert by_key["qconf-muon-default"]["state_bytes_per_param"] == pytest.approx(0.5 + 4 / 128)
+    step = next(ln for ln in out.splitlines() if ln.startswith("median step: "))
+    assert all(by_key[k]["label"] in step for k in MUON_KEYS) and step.endswith(" ms.")
+    rss = by_key["qconf-muon-8bit"]["rss"]
+    assert "error" not in rss and rss["param_bytes"] == 4 * res["numel"]
+    assert all("rss" not in by_key[k] for k in ("torch-muon", "qconf-muon-default"))
+
+
+def test_muon_options(capsys):
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_arguments(parser)
+    for argv, expect in ((["--muon"], "--muon --size muon --rounds 10 "), ([], "--size both --rounds 50 "),
+                         (["--muon", "--rounds", "3"], "--muon --size muon --rounds 3 ")):
+        assert expect in bench.cli.canonical_command("qconf bench", parser.parse_args(argv))
+    assert cli_main(["bench", "--muon", "--size", "big", "--quiet"]) == 2
+    assert capsys.readouterr().err.strip() == ("qconf bench: error: --muon times Muon on matrices: --size muon "
+                                               "(2 matrices, 256x512 and 512x256), not big")
+    assert cli_main(["bench", "--muon", "--contenders", "qconf-fused-*", "--quiet"]) == 2
+    assert "match no contender (known: torch-muon, qconf-muon-8bit, qconf-muon-default)" in capsys.readouterr().err
+    assert cli_main(["bench", "--muon", "--list"]) == 0
+    assert [ln.split()[0] for ln in capsys.readouterr().out.splitlines()] == MUON_KEYS
+    assert cli_main(["bench", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--muon" in text and "muon = 2 matrices, 256x512 and 512x256" in text and "smoke" not in text
 
 
 # -- --device cuda: everything that runs without a GPU ---------------------------------------------------

@@ -5,7 +5,10 @@ One run of ``benchmarks/bench_memory.py`` (six rows, each in its own two child p
 timing) is shared by
 the tests below. Timings are never checked; what is checked holds on any machine: every row has
 the JSON fields, the attribution adds up, a gradient-release row keeps far fewer gradient bytes
-than its normal counterpart and reaches the very same loss, bit for bit.
+than its normal counterpart and reaches the very same loss, bit for bit. A second run, ``--muon``
+with 1 warm-up + 1 measured step, checks the same of qconf Muon's 4-bit bf16 SR rows and their
+split of the states into the Muon and the AdamW part; the Muon roster and the torch pairing are
+checked in-process on a smaller model.
 """
 from __future__ import annotations
 
@@ -33,9 +36,18 @@ def _tiny_run_command(workdir: Path) -> list[str]:
             "1", "--memory-steps", "2", "--contenders", ROWS, "--json", str(workdir / "memory.json"), "--quiet"]
 
 
-# the run starts in the background when collection ends (conftest.py): 12 child processes
-BACKGROUND_JOBS = {"tiny_run": _tiny_run_command}
-BACKGROUND_CPU_S = 51  # 48 s on 2 idle cores
+MUON_ROWS = "muon-default-*"  # qconf Muon 4-bit bf16 SR, normal and with gradient release
+
+
+def _muon_run_command(workdir: Path) -> list[str]:
+    return [sys.executable, str(REPO / "benchmarks" / "bench_memory.py"), "--muon", "--device", "cpu",
+            "--memory-model", "tiny", "--memory-warmup", "1", "--memory-steps", "1", "--contenders", MUON_ROWS,
+            "--json", str(workdir / "muon.json"), "--quiet"]
+
+
+# the runs start in the background when collection ends (conftest.py): 12 + 4 child processes
+BACKGROUND_JOBS = {"tiny_run": _tiny_run_command, "muon_run": _muon_run_command}
+BACKGROUND_CPU_S = 51 + 40  # 48 s on 2 idle cores; the Muon run (bf16 Newton-Schulz) 38 CPU s
 
 
 @pytest.fixture(scope="module")
@@ -193,13 +205,124 @@ def test_memory_options_need_memory(capsys):
     assert capsys.readouterr().err.strip() == "qconf bench: error: --memory-steps needs --memory"
     assert cli_main(["bench", "--memory", "--memory-model", "huge"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == ("qconf bench: error: argument --memory-model: invalid "
-                                                        "choice: 'huge' (choose from base, base-32k)")
+                                                        "choice: 'huge' (choose from base, base-32k, small)")
 
 
 def test_help_and_list(capsys):
     assert cli_main(["bench", "--memory", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "training memory (--memory):" in out and "--memory-model {base,base-32k}" in out and "tiny" not in out
+    assert "training memory (--memory):" in out and "--memory-model {base,base-32k,small}" in out and "tiny" not in out
     assert cli_main(["bench", "--memory", "--list", "--device", "cpu"]) == 0
     listed = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()]
     assert listed == [r.key for r in memory.memory_rows("cpu")]
+
+
+# -- --muon: Muon's training rows ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def muon_run(request, background_jobs) -> tuple[dict, str]:
+    """``(JSON result, printed output)`` of the tiny Muon run (qconf Muon 4-bit bf16 SR, with and without
+    gradient release)."""
+    job = background_jobs(request, "muon_run")
+    returncode, stdout, stderr = job.result()
+    assert returncode == 0, stderr
+    return json.loads((job.workdir / "muon.json").read_text()), stdout
+
+
+def _micro() -> GPT:
+    """A GPT small enough for an in-process Muon step (Newton-Schulz in bf16 is slow on a CPU)."""
+    from qconf.bench.model import GPTConfig, build_model
+    return build_model(GPTConfig(vocab=64, d_model=64, layers=1, heads=2, seq=8, batch=2), torch.float32, "cpu", 0)
+
+
+def test_muon_rosters():
+    rows = memory.muon_rows("cpu")
+    keys = [r.key for r in rows]
+    assert keys == ["muon-torch", "muon-8bit-fp32", "muon-default-bf16-sr", "muon-default-bf16-sr-release",
+                    "torch-fused", "qconf-default-bf16-sr-release"]
+    assert [r.key for r in memory.roster("cpu", True)] == keys
+    assert [r.key for r in memory.roster("cpu", False)] == [r.key for r in memory.memory_rows("cpu")]
+    by_key = {r.key: r for r in rows}
+    release = by_key["muon-default-bf16-sr-release"]
+    assert release.release and release.counterpart == "muon-default-bf16-sr" and release.dtype == torch.bfloat16
+    assert release.name == by_key["muon-default-bf16-sr"].name + ", gradient release"
+    assert by_key["muon-torch"].dtype == by_key["muon-8bit-fp32"].dtype == torch.float32
+    assert [r.key for r in memory.muon_rows("cuda")] == keys  # (no CUDA-only Muon row)
+
+
+def test_muon_rows_build_route_and_split_their_states():
+    """The torch pairing routes as qconf.optim.Muon does (matrices to Muon; embeddings, head, norms and biases to
+    AdamW); after one training step each, the per-part states add up to the row's states: torch 4 B per Muon
+    parameter and 8 B per AdamW one, qconf's 8-bit linear momentum 1 + 4/256 B per element of a matrix above
+    min_numel (4096), 4 B (fp32) below it."""
+    from qconf.bench.model import random_batches
+    from qconf.optim import Muon
+
+    by_key = {r.key: r for r in memory.muon_rows("cpu")}
+    model = _micro()
+    torch_opt, qconf_opt = by_key["muon-torch"].build(model), by_key["muon-8bit-fp32"].build(model)
+    assert isinstance(qconf_opt, Muon) and isinstance(torch_opt.parts["muon"], torch.optim.Muon)
+    names = {p: n for n, p in model.named_parameters()}
+    routed = {names[p]: part for part, o in torch_opt.parts.items() for g in o.param_groups for p in g["params"]}
+    assert routed == qconf_opt.routing() and len(routed) == len(names)
+    assert {n for n, r in routed.items() if r == "adamw" and n.endswith(".weight") and ".ln_" not in n} == {
+        "tok_emb.weight", "pos_emb.weight", "head.weight", "ln_f.weight"}
+    assert torch_opt.parts["adamw"].defaults["fused"] is True
+    batch = random_batches(model.cfg, 1, 1)[0]
+    for key in ("muon-torch", "muon-8bit-fp32"):
+        m = _micro()
+        opt = by_key[key].build(m)
+        memory.train_step(m, opt, batch, memory.make_backend("cpu"))
+        parts = memory.state_parts(opt)
+        assert sum(p["numel"] for p in parts.values()) == m.cfg.numel
+        assert sum(p["state_bytes"] for p in parts.values()) == memory.optimizer_state_bytes(opt)
+        matrices = [p.numel() for n, p in m.named_parameters() if routed[n] == "muon"]
+        assert parts["muon"]["numel"] == sum(matrices)
+        if key == "muon-torch":
+            assert parts["muon"]["state_bytes"] == 4 * parts["muon"]["numel"]
+            assert parts["adamw"]["state_bytes"] == 8 * parts["adamw"]["numel"]
+        else:
+            assert parts["muon"]["state_bytes"] == sum(n * (1 + 4 / 256) if n > 4096 else 4 * n for n in matrices)
+    assert memory.state_parts(torch.optim.AdamW(_micro().parameters())) is None
+
+
+def test_muon_run_rows_release_and_parts(muon_run):
+    result, out = muon_run
+    assert result["settings"]["optimizer"] == "muon" and result["settings"]["model"] == "tiny"
+    rows = _rows(result)
+    assert list(rows) == ["muon-default-bf16-sr", "muon-default-bf16-sr-release"]
+    normal, release = rows["muon-default-bf16-sr"], rows["muon-default-bf16-sr-release"]
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["timing_losses_match"] is True and math.isfinite(r["final_loss"])
+        parts = r["state_parts"]
+        assert sum(p["state_bytes"] for p in parts.values()) == r["bytes"]["states"]
+        assert sum(p["numel"] for p in parts.values()) == result["settings"]["numel"]
+        assert parts["muon"]["state_bytes"] == parts["muon"]["numel"] * (0.5 + 4 / 128)  # 4-bit, group 128
+    assert release["bytes"]["grads"] == 2 * max(_tiny_param_bytes())  # bf16: the largest gradient at a time
+    assert normal["bytes"]["grads"] == normal["bytes"]["params"]
+    assert release["bytes"]["states"] == normal["bytes"]["states"]
+    assert release["losses"] == normal["losses"] and release["loss_matches_counterpart"] is True  # bit for bit
+    assert "\ncommand: python benchmarks/bench_memory.py --memory --muon --device cpu --memory-model tiny " in out
+    assert "\ntraining: Muon rows: Muon (torch.optim.Muon's defaults" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("states by part: ")]
+    assert [ln.split(": ")[1] for ln in lines] == [normal["name"], release["name"]]
+    assert "Muon 0." in lines[0] and "(0.531 B over " in lines[0]
+
+
+def test_muon_memory_options(capsys):
+    assert cli_main(["bench", "--memory", "--muon", "--list", "--device", "cpu"]) == 0
+    listed = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()]
+    assert listed == [r.key for r in memory.muon_rows("cpu")]
+    from qconf.bench import memory_cli
+    parser = __import__("argparse").ArgumentParser()
+    memory_cli.add_memory_arguments(parser)
+    parser.add_argument("--muon", action="store_true")
+    for argv, expect in ((["--memory", "--muon"], "--muon --memory-model small --memory-warmup 2 --memory-steps 3 "),
+                         (["--memory"], "--memory --memory-model base --memory-warmup 2 --memory-steps 8 "),
+                         (["--memory", "--muon", "--memory-model", "base", "--memory-steps", "1"],
+                          "--muon --memory-model base --memory-warmup 2 --memory-steps 1 ")):
+        opts = parser.parse_args(argv)
+        opts.__dict__.update(device=None, threads=2, seed=0, contenders=None, json=None)
+        assert expect in memory_cli.memory_command("qconf bench", opts)
+    assert MODEL_PRESETS["small"].numel == 932_608
+    assert 0.06 < MODEL_PRESETS["small"].vocab * MODEL_PRESETS["small"].d_model / MODEL_PRESETS["small"].numel < 0.075

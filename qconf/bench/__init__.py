@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py [--size big|many|both] [--rounds N] [--threads T] [--json out.json]
     qconf bench ...                                   (same options)
     qconf bench --device cuda                         (on the GPU: 64 x 4096x2048, a device copy in the same rounds)
+    qconf bench --muon                                (qconf Muon 8-bit / 4-bit momentum vs torch.optim.Muon)
 
 Every contender gets its own copy of the same parameters and the same fixed gradients. After a
 warm-up (which also absorbs torch.compile time for torchao), the benchmark runs *rounds*: in each
@@ -18,7 +19,8 @@ measured in a fresh subprocess per contender (:mod:`qconf.bench.rss`).
 
 Modules, each importing only those listed before it:
 
-    roster    Contender, contenders(), the benchmarked configs, select() for --contenders
+    roster    Contender, contenders() (the AdamW roster; muon=True: the Muon one), the benchmarked configs,
+              select() for --contenders
     tensors   the run's parameters and gradients, state bytes of an optimizer
     rss       the peak-RSS child process and its launcher
     device    Backend (sync, clock, memory probes) for --device cpu/cuda, the copy baseline, bytes moved

@@ -43,10 +43,17 @@ SIZES: dict[str, list[tuple[int, ...]]] = {
     "one": [(1000, 4096)],              # the same 4.1M params as one tensor (what `many` is compared to)
     "gpu": [(4096, 2048)] * 64,         # 537M params in 64 tensors (--device cuda)
     "tiny": [(64, 128), (64, 128), (100,)],
+    # --muon: matrices only, small enough that torch's bf16 Newton-Schulz takes seconds, not minutes,
+    # on a CPU; a wide and a tall one (Newton-Schulz transposes the tall one)
+    "muon": [(256, 512), (512, 256)],   # 262,144 params in 2 matrices
+    "muon-smoke": [(64, 128), (128, 64)],  # (smoke tests; not advertised; quantized: numel > 4096)
 }
 SIZE_TEXT = {"big": "3 tensors of 4096x1024", "many": "1000 tensors of 4096", "one": "1 tensor of 1000x4096",
              "gpu": "64 tensors of 4096x2048",
-             "tiny": "2 x 64x128 + 1 x 100"}
+             "tiny": "2 x 64x128 + 1 x 100", "muon": "2 matrices, 256x512 and 512x256",
+             "muon-smoke": "2 matrices, 64x128 and 128x64"}
+#: the sizes of the Muon roster (``--muon``: 2-D parameters only)
+MUON_SIZES = ("muon", "muon-smoke")
 #: what --size names: the groups run one after another in one process
 SIZE_GROUPS = {"both": ["big", "many"], "all": ["big", "many", "one"]}
 #: a contender whose warm-up step takes longer than this many baseline steps is timed in fewer rounds
@@ -151,15 +158,16 @@ def _build_and_warm(c: Contender, base: Any, warmup: int, backend: Backend,
 
 
 def _timed_rounds(size: str, live: dict[str, Callable[[], Any]], warm_ns: dict[str, int],
-                  results: dict[str, dict[str, Any]], opts: argparse.Namespace, backend: Backend
-                  ) -> tuple[dict[str, list[int | None]], dict[str, float] | None]:
+                  results: dict[str, dict[str, Any]], opts: argparse.Namespace, backend: Backend,
+                  baseline: str = BASELINE) -> tuple[dict[str, list[int | None]], dict[str, float] | None]:
     """The interleaved rounds: ``(step ns per contender and round (None: not timed), CPU contention)``.
-    Slow contenders run in :func:`_spread` rounds only; the order within a round is shuffled."""
+    Slow contenders (against ``baseline``'s warm-up) run in :func:`_spread` rounds only; the order
+    within a round is shuffled."""
     rounds = opts.rounds
     schedule: dict[str, set[int]] = {}
-    base_warm = warm_ns.get(BASELINE)
+    base_warm = warm_ns.get(baseline)
     for key in live:
-        slow = key != BASELINE and base_warm is not None and warm_ns[key] > SLOW_FACTOR * base_warm
+        slow = key != baseline and base_warm is not None and warm_ns[key] > SLOW_FACTOR * base_warm
         schedule[key] = _spread(min(opts.slow_rounds, rounds), rounds) if slow else set(range(rounds))
     times: dict[str, list[int | None]] = {key: [None] * rounds for key in live}
     rng = random.Random(opts.seed)
@@ -186,9 +194,9 @@ def _timed_rounds(size: str, live: dict[str, Callable[[], Any]], warm_ns: dict[s
 
 
 def _summarize(rows: list[Contender], times: dict[str, list[int | None]], results: dict[str, dict[str, Any]],
-               numel: int) -> None:
-    """Add ns/param, the ratios to the baseline and to ``relative_to`` rows to ``results``."""
-    base_times = times.get(BASELINE)
+               numel: int, baseline: str = BASELINE) -> None:
+    """Add ns/param, the ratios to the ``baseline`` row and to ``relative_to`` rows to ``results``."""
+    base_times = times.get(baseline)
     for key, ts in times.items():
         r = results[key]
         got = [t for t in ts if t is not None]
@@ -245,8 +253,9 @@ def _start_copy(numel: int, backend: Backend, results: dict[str, dict[str, Any]]
 
 
 def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace,
-               backend: Backend | None = None) -> dict[str, Any]:
-    """Time and measure every contender of ``rows`` on one size on ``backend`` (default: the CPU);
+               backend: Backend | None = None, baseline: str = BASELINE) -> dict[str, Any]:
+    """Time and measure every contender of ``rows`` on one size on ``backend`` (default: the CPU),
+    every ratio against the row ``baseline`` (torch fused AdamW; the Muon roster's torch.optim.Muon);
     returns the JSON-ready result."""
     backend = backend or cpu_backend()
     shapes = SIZES[size]
@@ -256,8 +265,8 @@ def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace,
     checksum = grads_checksum(grads) if grads else None
     results, live, warm_ns = _warm_up(size, rows, base, numel, opts, backend, grads)
     nbytes = _start_copy(numel, backend, results, live, warm_ns) if backend.copy_bytes_per_param else 0
-    times, contention = _timed_rounds(size, live, warm_ns, results, opts, backend)
-    _summarize(rows, times, results, numel)
+    times, contention = _timed_rounds(size, live, warm_ns, results, opts, backend, baseline)
+    _summarize(rows, times, results, numel, baseline)
     copy = _copy_summary(results, times, nbytes, numel) if nbytes else None
     modified = grads is not None and grads_checksum(grads) != checksum
     live.clear()
@@ -274,7 +283,7 @@ def bench_size(size: str, rows: list[Contender], opts: argparse.Namespace,
             _log(opts, f"[{size}] {c.key}: peak RSS subprocess")
             r["rss"] = measure_rss(c, shapes, opts)
     return {"size": size, "shapes": SIZE_TEXT[size], "tensors": len(shapes), "numel": numel, "rounds": opts.rounds,
-            "other_cpu": contention,
+            "baseline": baseline, "other_cpu": contention,
             "slow_rounds": min(opts.slow_rounds, opts.rounds), "rows": [results[c.key] for c in rows], **extra}
 
 

@@ -34,6 +34,12 @@ parameter count:
 - ``params_grads_states`` = params + grads + states; ``other`` = peak - params_grads_states
   (activations, autograd and kernel workspace, the allocator's and runtime's own memory).
 
+Muon (``--muon``, :func:`muon_rows`): :class:`qconf.optim.Muon` on ``model.named_parameters()``
+(Muon for the hidden matrices, qconf AdamW for the embeddings, the head, norms and biases, routed
+by shape and name) beside torch's own pairing, :class:`TorchMuonAdamW` (torch.optim.Muon on the
+same matrices, torch's fused AdamW on the rest). Their ``states`` are both parts' together; the
+row's ``state_parts`` splits them (:func:`state_parts`).
+
 ``step_ms`` is the median wall time of the measured steps (forward + backward + optimizer step +
 ``zero_grad``; ``synchronize`` before and after each on CUDA). On the CPU it comes from a second
 child that trains the same steps under glibc's default allocator (:func:`measure_row`: the memory
@@ -58,7 +64,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import optim as qoptim
+from ..config import load_config
 from ..memory import memory_report
+from ..optim.muon_routing import MUON, Router
 from ..optim.release import ReleasedGrad
 from .device import Backend, cuda_info, make_backend
 from .measure import package_version, machine_info, one_line
@@ -129,6 +137,65 @@ def _flashoptim_adamw(model: GPT) -> Any:
     return flashoptim.FlashAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+class TorchMuonAdamW:
+    """torch's Muon for a whole model, as one optimizer: torch.optim.Muon (fp32 momentum, torch's
+    defaults but ``lr`` and ``weight_decay``) on the parameters qconf.optim.Muon's default routing
+    gives Muon (2-D hidden matrices), torch.optim.AdamW (fused) on the rest -- the pairing
+    torch.optim.Muon's documentation asks for. ``parts``: ``{"muon": ..., "adamw": ...}``."""
+
+    def __init__(self, named_params: Any, lr: float = LR, weight_decay: float = WEIGHT_DECAY):
+        router = Router(None, load_config({}))
+        split: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": []}
+        for name, p in named_params:
+            split["muon" if router.rule(name, p)[0] == MUON else "adamw"].append(p)
+        self.parts = {"muon": torch.optim.Muon(split["muon"], lr=lr, weight_decay=weight_decay),
+                      "adamw": torch.optim.AdamW(split["adamw"], lr=lr, weight_decay=weight_decay, fused=True)}
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:
+        """Both parts' states, by parameter."""
+        return {**self.parts["muon"].state, **self.parts["adamw"].state}
+
+    def step(self) -> None:
+        for opt in self.parts.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.parts.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def _torch_muon(model: GPT) -> Any:
+    return TorchMuonAdamW(model.named_parameters())
+
+
+def _qconf_muon(qconfig: Any, release: bool = False) -> Callable[[GPT], Any]:
+    def build(model: GPT) -> Any:
+        return qoptim.Muon(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                           adamw={"lr": LR, "weight_decay": WEIGHT_DECAY}, qconfig=qconfig, gradient_release=release)
+    return build
+
+
+def state_parts(opt: Any) -> dict[str, dict[str, int]] | None:
+    """A Muon row's state bytes and parameters per part: ``{"muon": {"numel", "state_bytes"},
+    "adamw": {...}}`` (qconf: :func:`qconf.memory_report`'s rows; torch: each part's
+    :func:`~qconf.bench.tensors.state_bytes`); None for an optimizer without parts."""
+    if isinstance(opt, TorchMuonAdamW):
+        return {part: {"numel": sum(p.numel() for g in o.param_groups for p in g["params"]),
+                       "state_bytes": state_bytes(o)} for part, o in opt.parts.items()}
+    if not isinstance(opt, qoptim.Muon):
+        return None
+    out = {part: {"numel": 0, "state_bytes": 0} for part in ("muon", "adamw")}
+    rows = iter(memory_report(opt).rows)  # (in param_groups order)
+    for group in opt.param_groups:
+        part = out["muon" if group["use_muon"] else "adamw"]
+        for _ in group["params"]:
+            row = next(rows)
+            part["numel"] += row.numel
+            part["state_bytes"] += row.total_bytes
+    return out
+
+
 def _roster_row(key: str) -> MemoryRow:
     """The step benchmark's contender ``key`` (torchao, bitsandbytes) as a memory row."""
     c = {c.key: c for c in contenders()}[key]
@@ -159,6 +226,29 @@ def memory_rows(device: str = "cpu") -> list[MemoryRow]:
     rows.append(MemoryRow("flashoptim-adamw", "flashoptim FlashAdamW bf16", bf16, _flashoptim_adamw,
                           requires="flashoptim", family="flashoptim", cuda_only=True))
     return [r for r in rows if device == "cuda" or not r.cuda_only]
+
+
+def muon_rows(device: str = "cpu") -> list[MemoryRow]:
+    """The ``--muon`` rows on ``device``, in table order: torch's Muon + AdamW (fp32), qconf Muon with
+    8-bit momentum (fp32 parameters) and with 4-bit momentum on bf16 parameters with stochastic
+    rounding, normal and with gradient release; then two AdamW rows of :func:`memory_rows` on the
+    same model for comparison (torch fused fp32, qconf 4-bit bf16 SR with gradient release)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    sr = "muon-default-bf16-sr"
+    rows = [
+        MemoryRow("muon-torch", "torch Muon + AdamW fused fp32", f32, _torch_muon),
+        MemoryRow("muon-8bit-fp32", "qconf Muon muon_8bit.yml fp32", f32, _qconf_muon("muon_8bit"), family="qconf"),
+        MemoryRow(sr, "qconf Muon default.yml bf16 SR", bf16, _qconf_muon(BF16_SR_QCONFIG), family="qconf"),
+        MemoryRow(f"{sr}-release", "qconf Muon default.yml bf16 SR, gradient release", bf16,
+                  _qconf_muon(BF16_SR_QCONFIG, release=True), family="qconf", release=True, counterpart=sr),
+    ]
+    adamw = {r.key: r for r in memory_rows(device)}
+    return rows + [adamw[k] for k in ("torch-fused", "qconf-default-bf16-sr-release")]
+
+
+def roster(device: str, muon: bool) -> list[MemoryRow]:
+    """:func:`muon_rows` or :func:`memory_rows` on ``device``."""
+    return muon_rows(device) if muon else memory_rows(device)
 
 
 def select_rows(rows: list[MemoryRow], patterns: Sequence[str] | None) -> list[MemoryRow]:
@@ -252,7 +342,7 @@ def measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
     the raw numbers (bytes, per-step ms and losses)."""
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
-    row = {r.key: r for r in memory_rows(spec["device"])}[spec["key"]]
+    row = {r.key: r for r in roster(spec["device"], spec.get("muon", False))}[spec["key"]]
     if row.requires is not None:  # its import is not the training's memory
         importlib.import_module(row.requires)
     backend = make_backend(spec["device"])
@@ -266,6 +356,7 @@ def measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
         qoptim.prepare_gradient_release(model, opt, grad_norms=row.grad_norms)
     losses = [train_step(model, opt, b, backend)[1] for b in batches[:spec["warmup"]]]
     states = optimizer_state_bytes(opt)
+    parts = state_parts(opt)
     probe.remove()  # its sums over every parameter would add to the timed steps
     times: list[float] = []
 
@@ -282,7 +373,7 @@ def measure_in_child(spec: dict[str, Any]) -> dict[str, Any]:
     return {"numel": sum(p.numel() for p in model.parameters()),
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "grad_bytes": probe.peak, "state_bytes": states, "baseline_bytes": baseline, "peak_bytes": peak,
-            "method": method, "step_ms_each": times, "losses": losses}
+            "method": method, "step_ms_each": times, "losses": losses, "state_parts": parts}
 
 
 def child_main(spec_json: str) -> int:
@@ -307,7 +398,8 @@ def measure_row(row: MemoryRow, device: str, opts: argparse.Namespace) -> dict[s
     one under glibc's default allocator, as users train (``step_ms_each`` comes from it;
     ``timing_losses_match`` says whether its losses equal the memory child's bit for bit)."""
     spec = {"key": row.key, "device": device, "model": opts.memory_model, "seed": opts.seed,
-            "threads": opts.threads, "warmup": opts.memory_warmup, "steps": opts.memory_steps, "phase": "memory"}
+            "threads": opts.threads, "warmup": opts.memory_warmup, "steps": opts.memory_steps, "phase": "memory",
+            "muon": bool(getattr(opts, "muon", False))}
     raw = run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
     if "error" in raw or device != "cpu":
         return raw
@@ -356,7 +448,8 @@ def row_result(row: MemoryRow, device: str, raw: dict[str, Any] | None, status: 
     times = raw["step_ms_each"]
     return {**r, "bytes": total, "b_per_param": per, "numel": raw["numel"], "method": raw["method"],
             "baseline_bytes": raw["baseline_bytes"], "step_ms": statistics.median(times), "step_ms_each": times,
-            "losses": raw["losses"], "final_loss": raw["losses"][-1], "timing_losses_match": raw.get("timing_losses_match")}
+            "losses": raw["losses"], "final_loss": raw["losses"][-1],
+            "timing_losses_match": raw.get("timing_losses_match"), "state_parts": raw.get("state_parts")}
 
 
 def compare_release(rows: list[dict[str, Any]]) -> None:
@@ -403,7 +496,8 @@ def run_memory(opts: argparse.Namespace, command: str,
     the JSON-ready result. ``on_event("start", result)`` and ``on_event(device, result)`` report
     progress. ValueError for a ``--contenders`` pattern that matches no row."""
     devices = [opts.device] if opts.device else list(DEVICES)
-    chosen = {d: select_rows(memory_rows(d), opts.contenders) for d in devices}
+    muon = bool(getattr(opts, "muon", False))
+    chosen = {d: select_rows(roster(d, muon), opts.contenders) for d in devices}
     torch.set_num_threads(opts.threads)
     cfg = MODEL_PRESETS[opts.memory_model]
     machine = machine_info(opts.threads)
@@ -413,7 +507,8 @@ def run_memory(opts: argparse.Namespace, command: str,
         "benchmark": "memory",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command, "devices": devices, "machine": machine,
-        "settings": {"model": opts.memory_model, "model_config": dataclasses.asdict(cfg), "numel": cfg.numel,
+        "settings": {"optimizer": "muon" if muon else "adamw", "model": opts.memory_model,
+                     "model_config": dataclasses.asdict(cfg), "numel": cfg.numel,
                      "warmup": opts.memory_warmup, "steps": opts.memory_steps, "threads": opts.threads,
                      "seed": opts.seed, "lr": LR, "weight_decay": WEIGHT_DECAY, "child_malloc_env": CHILD_MALLOC_ENV,
                      "attribution": ATTRIBUTION},

@@ -26,11 +26,17 @@ def format_memory_header(result: dict[str, Any]) -> str:
     """The lines above the tables: date, machine, versions, the model, the explicit command."""
     s = result["settings"]
     cfg = MODEL_PRESETS[s["model"]]
+    if s.get("optimizer") == "muon":
+        rule = ("Muon rows: Muon (torch.optim.Muon's defaults: momentum 0.95, Nesterov, 5 Newton-Schulz steps in "
+                "bf16) on the hidden matrices, AdamW on the embeddings, head, norms and biases; AdamW rows: AdamW; "
+                f"both lr {s['lr']:g}, weight decay {s['weight_decay']:g}")
+    else:
+        rule = f"AdamW lr {s['lr']:g}, weight decay {s['weight_decay']:g}"
     return "\n".join([f"qconf training-memory benchmark, {result['date']}",
                       *format_machine(result["machine"], ("torchao", "bitsandbytes", "flashoptim")),
                       f"model: {describe_model(cfg)}; random tokens (seed {s['seed']})",
-                      f"training: AdamW lr {s['lr']:g}, weight decay {s['weight_decay']:g}; {s['warmup']} warm-up + "
-                      f"{s['steps']} measured steps per row, each row in a fresh child process",
+                      f"training: {rule}; {s['warmup']} warm-up + {s['steps']} measured steps per row, each row in a "
+                      "fresh child process",
                       f"command: {result['command']}"])
 
 
@@ -67,7 +73,24 @@ def format_memory_device(result: dict[str, Any], device: str) -> str:
     s = result["settings"]
     head = (f"== {device}: {s['numel']:,} params; peak memory of training in bytes per parameter "
             f"(params + grads + states + other = peak) ==")
-    return "\n".join([head, format_table(HEADERS, [_cells(r, names) for r in rows], align="lrrrrrrrrrl")])
+    table = format_table(HEADERS, [_cells(r, names) for r in rows], align="lrrrrrrrrrl")
+    return "\n".join([head, table, *format_state_parts(rows)])
+
+
+def format_state_parts(rows: list[dict[str, Any]]) -> list[str]:
+    """The lines under a Muon table: each Muon row's states split into its Muon part and its AdamW
+    part, in bytes per parameter of the model (and per parameter of the part)."""
+    out = []
+    for r in rows:
+        parts = r.get("state_parts")
+        if r["status"] != "ok" or not parts:
+            continue
+        n = sum(p["numel"] for p in parts.values())
+        cells = [f"{name} {p['state_bytes'] / n:.2f} ({p['state_bytes'] / max(p['numel'], 1):.3f} B over "
+                 f"{100 * p['numel'] / n:.1f}% of the params)" for name, p in (("Muon", parts["muon"]),
+                                                                              ("AdamW", parts["adamw"]))]
+        out.append(f"states by part: {r['name']}: {' + '.join(cells)} = {r['b_per_param']['states']:.2f} B/param")
+    return out
 
 
 def format_memory_footer(result: dict[str, Any]) -> str:

@@ -7,7 +7,12 @@ The ``base`` preset (d_model 768, 13 layers, 12 heads, vocab 8192, context 128) 
 parameters; its largest tensors, the embedding and the LM head, are 6.0% of them each (Llama-3-8B's
 embedding: 6.5%), which is what bounds the gradient bytes of gradient release. ``base-32k`` is
 GPT-2 small's shape with a 32000-token vocabulary (134,306,304 parameters, the embedding 18% of
-them: a small model's outsized vocabulary). The ``tiny`` one (about 1M) is for tests.
+them: a small model's outsized vocabulary). ``small`` (d_model 128, 4 layers, vocab 512, context 64:
+932,608 parameters, the embedding and the LM head 7.0% of them each, as ``base``'s 6.0%) is for the
+Muon rows on a CPU (``qconf bench --memory --muon``): torch's Newton–Schulz runs in bf16, which a
+CPU without bf16 matrix instructions computes slowly (under a G multiply-add per second on 2 AVX2
+cores), so one Muon step of ``base`` (824 G multiply-adds of Newton–Schulz) would take a quarter
+of an hour or more there. The ``tiny`` one (about 1M) is for tests.
 
 The model is built on the meta device and materialized directly in its dtype on its device, then
 initialized per tensor from a seeded generator in fp32 chunks (weights N(0, 0.02^2), biases 0,
@@ -64,6 +69,7 @@ class GPTConfig:
 MODEL_PRESETS: dict[str, GPTConfig] = {
     "base": GPTConfig(vocab=8192, d_model=768, layers=13, heads=12, seq=128, batch=2),
     "base-32k": GPTConfig(vocab=32000, d_model=768, layers=12, heads=12, seq=128, batch=2),
+    "small": GPTConfig(vocab=512, d_model=128, layers=4, heads=4, seq=64, batch=2),
     "tiny": GPTConfig(vocab=2560, d_model=128, layers=2, heads=4, seq=32, batch=2),
 }
 

@@ -5,6 +5,10 @@ A contender is one table row: how to build its optimizer on a list of parameters
 dtype, and which optional package it needs. The baseline every ratio is taken against is
 :data:`BASELINE`, torch's fused AdamW on fp32 parameters.
 
+``contenders(muon=True)`` (``qconf bench --muon``) is the Muon roster instead: torch.optim.Muon
+(fp32 momentum, the baseline :data:`MUON_BASELINE`) and :class:`qconf.optim.Muon` with the
+configs of :data:`MUON_CONFIGS`, on 2-D parameters only (Muon steps matrices).
+
 ``contenders(device="cuda")`` is the GPU roster: the same rows without the for-loop and the
 reference path (slow and memory-hungry at 537M parameters), every qconf row pinned to the generic
 CUDA kernels, plus a ``(specialized)`` twin of every fused row that sets
@@ -35,6 +39,13 @@ KERNELS_ENV = "QCONF_CUDA_KERNELS"
 CPU_ONLY = ("torch-forloop", "qconf-reference-default-fp32")
 #: qconf configs benchmarked, with the short name used in contender keys
 CONFIGS = {"default.yml": "default", "2nd_moment_group_128.yml": "group128", "8bit.yml": "8bit"}
+#: the Muon roster's baseline: torch.optim.Muon, fp32 parameters and momentum
+MUON_BASELINE = "torch-muon"
+#: qconf Muon configs benchmarked (their ``exp_avg`` section is the momentum), with the short name
+#: used in contender keys: 8-bit linear group-256 momentum, 4-bit nonlinear group-128 momentum
+MUON_CONFIGS = {"muon_8bit.yml": "8bit", "default.yml": "default"}
+#: what the ratio columns and the table's title call each baseline: (column word, title text)
+BASELINE_TEXT = {BASELINE: ("fused", "torch AdamW fused fp32"), MUON_BASELINE: ("Muon", "torch.optim.Muon fp32")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +77,17 @@ def _qconfig(path: Path, min_numel: int | None) -> Any:
 
 
 def contenders(config_dir: str | os.PathLike | None = None, min_numel: int | None = None,
-               device: str = "cpu") -> list[Contender]:
+               device: str = "cpu", muon: bool = False) -> list[Contender]:
     """Every contender on ``device`` (``cpu`` or ``cuda``: :func:`cuda_rows`), in table order (the
-    baseline, torch fused fp32, is ``BASELINE``)."""
-    rows = _cpu_rows(config_dir, min_numel)
+    baseline, torch fused fp32, is ``BASELINE``); ``muon``: the Muon roster (:func:`_muon_rows`,
+    baseline ``MUON_BASELINE``)."""
+    rows = _muon_rows(config_dir, min_numel) if muon else _cpu_rows(config_dir, min_numel)
     return cuda_rows(rows) if device == "cuda" else rows
+
+
+def baseline_key(muon: bool) -> str:
+    """The key of the row every ratio of the roster is taken against."""
+    return MUON_BASELINE if muon else BASELINE
 
 
 def cuda_rows(rows: list[Contender]) -> list[Contender]:
@@ -146,6 +163,26 @@ def _cpu_rows(config_dir: str | os.PathLike | None, min_numel: int | None) -> li
     return rows
 
 
+def _muon_rows(config_dir: str | os.PathLike | None, min_numel: int | None) -> list[Contender]:
+    """The Muon roster: torch.optim.Muon (fp32 momentum, the baseline) and qconf.optim.Muon (fused)
+    with each config of :data:`MUON_CONFIGS`, all on fp32 matrices with the same hyperparameters
+    (``lr`` :data:`LR`, ``weight_decay`` :data:`WEIGHT_DECAY`, torch's defaults otherwise)."""
+    cdir = Path(config_dir) if config_dir is not None else default_config_dir()
+
+    def torch_muon(ps: list[torch.Tensor]) -> Any:
+        return torch.optim.Muon(ps, lr=LR, weight_decay=WEIGHT_DECAY)
+
+    def qconf_muon(cfg: str) -> Callable[[list[torch.Tensor]], Any]:
+        def build(ps: list[torch.Tensor]) -> Any:
+            return qoptim.Muon(ps, lr=LR, weight_decay=WEIGHT_DECAY, qconfig=_qconfig(cdir / cfg, min_numel), fused=True)
+        return build
+
+    rows = [Contender(MUON_BASELINE, "torch Muon", torch.float32, torch_muon)]
+    rows += [Contender(f"qconf-muon-{short}", f"qconf Muon {cfg}", torch.float32, qconf_muon(cfg), family="qconf")
+             for cfg, short in MUON_CONFIGS.items()]
+    return rows
+
+
 def default_config_dir() -> Path:
     """The built-in configs' directory (:func:`qconf.config.builtin.builtin_dir`: shipped in the
     wheel, the repository's ``configs/`` in a checkout)."""
@@ -157,11 +194,11 @@ def matches(key: str, patterns: Sequence[str]) -> bool:
     return any(fnmatchcase(key, p) for p in patterns)
 
 
-def select(all_rows: list[Contender], patterns: Sequence[str] | None) -> list[Contender]:
-    """Rows whose key matches one of the fnmatch ``patterns`` (all when None); the baseline is always kept."""
+def select(all_rows: list[Contender], patterns: Sequence[str] | None, baseline: str = BASELINE) -> list[Contender]:
+    """Rows whose key matches one of the fnmatch ``patterns`` (all when None); the ``baseline`` is always kept."""
     if not patterns:
         return list(all_rows)
-    keep = [c for c in all_rows if c.key == BASELINE or matches(c.key, patterns)]
+    keep = [c for c in all_rows if c.key == baseline or matches(c.key, patterns)]
     unknown = [p for p in patterns if not any(fnmatchcase(c.key, p) for c in all_rows)]
     if unknown:
         raise ValueError(f"--contenders: {', '.join(map(repr, unknown))} match no contender "

@@ -89,7 +89,7 @@ def child_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     torch.set_num_threads(spec["threads"])
     warnings.simplefilter("ignore")
-    c = {c.key: c for c in contenders(spec["config_dir"], spec["min_numel"])}[spec["key"]]
+    c = {c.key: c for c in contenders(spec["config_dir"], spec["min_numel"], muon=spec.get("muon", False))}[spec["key"]]
     shapes = [tuple(s) for s in spec["shapes"]]
     params = copy_for(make_base(shapes, spec["seed"]), c.dtype)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -119,7 +119,8 @@ def child_main(spec_json: str) -> int:
 def measure_rss(c: Contender, shapes: Sequence[tuple[int, ...]], opts: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`child_main` for ``c`` in a fresh interpreter; ``{"error": ...}`` when it fails."""
     spec = {"key": c.key, "shapes": [list(s) for s in shapes], "seed": opts.seed, "threads": opts.threads,
-            "warmup": 3, "steps": opts.rss_steps, "config_dir": str(opts.configs), "min_numel": opts.min_numel}
+            "warmup": 3, "steps": opts.rss_steps, "config_dir": str(opts.configs), "min_numel": opts.min_numel,
+            "muon": bool(getattr(opts, "muon", False))}
     return run_child(_CHILD_CODE, _CHILD_MARK, spec, opts.rss_timeout)
 
 

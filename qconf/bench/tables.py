@@ -10,7 +10,7 @@ from typing import Any
 
 from .._table import format_table
 from .measure import SLOW_FACTOR
-from .roster import BASELINE
+from .roster import BASELINE, BASELINE_TEXT
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -52,6 +52,21 @@ DEVICE_FORMULA = (
     "% copy BW = median over rounds of (bytes/step / step time) / (copy bytes / copy time in the same round).")
 
 
+def _baseline(res: dict[str, Any]) -> tuple[str, str, str]:
+    """``(key, ratio column word, title text)`` of the size's baseline row (torch fused AdamW, or
+    torch.optim.Muon for the Muon roster)."""
+    key = res.get("baseline", BASELINE)
+    word, text = BASELINE_TEXT.get(key, (key, key))
+    return key, word, text
+
+
+def _title(res: dict[str, Any]) -> str:
+    """The line above a size's table."""
+    _, _, text = _baseline(res)
+    return (f"== {res['size']}: {res['shapes']} = {res['numel']:,} params; {res['rounds']} rounds; "
+            f"ratios = median (min) over rounds of step time / {text} step time in the same round ==")
+
+
 def _fmt_gbps(x: float | None) -> str:
     return "" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.2f}"
 
@@ -60,13 +75,13 @@ def _mib(x: int | None) -> str:
     return "" if x is None else f"{x / 2**20:,.0f}"
 
 
-def _device_row(r: dict[str, Any], rounds: int, numel: int) -> list[str]:
+def _device_row(r: dict[str, Any], rounds: int, numel: int, baseline: str = BASELINE) -> list[str]:
     """One row of the device table."""
     ok = r["status"] == "ok"
     ms = r.get("ns_per_param")
     frac = r.get("copy_fraction")
     timed = r.get("rounds_timed")
-    return [r["label"] + ("  (baseline)" if r["key"] == BASELINE else ""), r["dtype"],
+    return [r["label"] + ("  (baseline)" if r["key"] == baseline else ""), r["dtype"],
             "" if ms is None else f"{ms * numel / 1e6:.3f}",
             _fmt(r.get("ratio_median"), ".2f"), _fmt(r.get("ratio_min"), ".2f"), _fmt_gbps(r.get("gb_per_s")),
             "" if frac is None else f"{100 * frac:.0f}%",
@@ -78,12 +93,12 @@ def _device_row(r: dict[str, Any], rounds: int, numel: int) -> list[str]:
 def format_device_size(res: dict[str, Any]) -> str:
     """One size's table on a device (``--device cuda``): ms/step, ratios, GB/s, % of the device
     copy's bandwidth, state bytes, peak device memory; the copy line and the formulas under it."""
-    head = (f"== {res['size']}: {res['shapes']} = {res['numel']:,} params; {res['rounds']} rounds; "
-            f"ratios = median (min) over rounds of step time / torch AdamW fused fp32 step time in the same round ==")
-    headers = ["contender", "params", "ms/step", "x fused med", "x fused min", "GB/s", "% copy BW", "rounds",
+    base, word, _ = _baseline(res)
+    head = _title(res)
+    headers = ["contender", "params", "ms/step", f"x {word} med", f"x {word} min", "GB/s", "% copy BW", "rounds",
                "state B/param", "peak MiB", "step extra MiB", "note"]
     rows = res["rows"]
-    body = [_device_row(r, res["rounds"], res["numel"]) for r in rows]
+    body = [_device_row(r, res["rounds"], res["numel"], base) for r in rows]
     slow = any(r["status"] == "ok" and (r.get("rounds_timed") or res["rounds"]) < res["rounds"] for r in rows)
     out = [head, format_table(headers, body, align="llrrrrrrrrrl")]
     copy = res.get("copy")
@@ -106,9 +121,9 @@ def format_size(res: dict[str, Any]) -> str:
     """One size's table plus footnotes (a device run's: :func:`format_device_size`)."""
     if "copy" in res:
         return format_device_size(res)
-    head = (f"== {res['size']}: {res['shapes']} = {res['numel']:,} params; {res['rounds']} rounds; "
-            f"ratios = median (min) over rounds of step time / torch AdamW fused fp32 step time in the same round ==")
-    headers = ["contender", "params", "ns/param", "x fused med", "x fused min", "rounds", "state B/param",
+    base, word, _ = _baseline(res)
+    head = _title(res)
+    headers = ["contender", "params", "ns/param", f"x {word} med", f"x {word} min", "rounds", "state B/param",
                "peak extra RSS", "note"]
     body = []
     slow = False
@@ -124,11 +139,16 @@ def format_size(res: dict[str, Any]) -> str:
         mark = ""
         if r["status"] == "ok" and rounds is not None and rounds < res["rounds"]:
             mark, slow = "*", True
-        body.append([r["label"] + ("  (baseline)" if r["key"] == BASELINE else ""), r["dtype"],
+        body.append([r["label"] + ("  (baseline)" if r["key"] == base else ""), r["dtype"],
                      _fmt_ns(r.get("ns_per_param")), _fmt(r.get("ratio_median"), ".2f"), _fmt(r.get("ratio_min"), ".2f"),
                      f"{rounds}{mark}" if r["status"] == "ok" else "", _fmt(r.get("state_bytes_per_param"), ".3f"),
                      f"{rss['pct_of_param_bytes']:.1f}%" if "pct_of_param_bytes" in rss else "", note])
     out = [head, format_table(headers, body, align="llrrrrrrl")]
+    if base != BASELINE:  # (the Muon roster: steps of seconds, read better per step than per parameter)
+        steps = [f"{r['label']} {r['ns_per_param'] * res['numel'] / 1e6:,.0f} ms" for r in res["rows"]
+                 if r.get("ns_per_param") is not None]
+        if steps:
+            out.append("median step: " + "; ".join(steps) + ".")
     return "\n".join(out + _size_footnotes(res, slow, methods))
 
 
