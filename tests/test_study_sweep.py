@@ -14,6 +14,7 @@ from qconf.config import load_config
 from qconf.study import StudyError, compare, plan_study
 from qconf.study import keys as study_keys
 from qconf.study.cli import parse_lr, parse_opt_args
+from qconf.study.compare import _opt_args
 from qconf.study.sweep import HARD_LIMIT, MAX_POINTS, check_size, expand, parse_vary
 
 CFG = Path(__file__).resolve().parents[1] / "configs"
@@ -204,6 +205,10 @@ def test_cli_parsers():
         "muon": {"adamw": {"lr": 3e-3, "betas": (0.9, 0.95)}, "ns_steps": 3}}
     with pytest.raises(StudyError, match="both as a value and as a mapping"):
         parse_opt_args(["muon:adamw=1", "muon:adamw.lr=3e-3"])
+    # the reproducing command spells a mapping argument with dotted keys, which parse back
+    args = [f"muon:{k}={v}" for k, v in _opt_args("adamw", {"lr": 3e-3, "betas": (0.9, 0.95)})]
+    assert args == ["muon:adamw.lr=0.003", "muon:adamw.betas=0.9,0.95"]
+    assert parse_opt_args(args) == {"muon": {"adamw": {"lr": 3e-3, "betas": (0.9, 0.95)}}}
 
 
 def test_muon_in_a_study_keeps_each_part_its_lr_and_measures_the_momentum_error():

@@ -210,7 +210,8 @@ def check_optimizer(name: str, kwargs: dict[str, Any], lr: float, fused: bool | 
 
 def optimizer_defaults(name: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The hyperparameters the runs actually used (the optimizer's defaults + study defaults + kwargs)."""
-    opt = make_optimizer(name, [torch.nn.Parameter(torch.zeros(2))], lr=1.0, qconfig={}, fused=False,
+    # a matrix: Muon's own group (its AdamW part's settings are its `adamw` argument)
+    opt = make_optimizer(name, [torch.nn.Parameter(torch.zeros(2, 2))], lr=1.0, qconfig={}, fused=False,
                          kwargs=dict(kwargs))
     group = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "lr", "param_names")}
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()}

@@ -218,11 +218,11 @@ def equivalent_command(a: StudyArguments, plan: StudyPlan, out: Any) -> str | No
     argv += ["--fused", plan.settings["fused"], "--eval-every", str(s.eval_every), "--threads", str(s.threads)]
     common = {k: v for k, v in a.kwargs[a.used[0]].items() if all(a.kwargs[o].get(k, _MISSING) == v for o in a.used)}
     for k, v in common.items():
-        argv += ["--opt-arg", f"{k}={_arg_text(v)}"]
+        argv += [x for key, text in _opt_args(k, v) for x in ("--opt-arg", f"{key}={text}")]
     for o in a.used:
         for k, v in a.kwargs[o].items():
             if k not in common:
-                argv += ["--opt-arg", f"{o}:{k}={_arg_text(v)}"]
+                argv += [x for key, text in _opt_args(k, v) for x in ("--opt-arg", f"{o}:{key}={text}")]
     if a.reference is not None:
         argv += ["--reference", a.reference]
     if not s.measure_error:
@@ -237,8 +237,12 @@ def equivalent_command(a: StudyArguments, plan: StudyPlan, out: Any) -> str | No
 _MISSING = object()
 
 
-def _arg_text(v: Any) -> str:
-    return ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
+def _opt_args(key: str, v: Any) -> list[tuple[str, str]]:
+    """``(KEY, VALUE)`` texts of one optimizer argument as --opt-arg spells it: a mapping's keys
+    dotted (``adamw.lr``), a tuple comma-separated."""
+    if isinstance(v, Mapping):
+        return [pair for k, x in v.items() for pair in _opt_args(f"{key}.{k}", x)]
+    return [(key, ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v))]
 
 
 def _announce(plan: StudyPlan, cached: int, todo: int, jobs: int, out: Path | None) -> None:

@@ -226,7 +226,7 @@ def _plot_summary(result: StudyResult, path: Path, colors: dict, plt) -> Path:
 
 
 _QERR_TITLES = {"exp_avg": "first moment exp_avg", "exp_avg_sq": "second moment exp_avg_sq",
-                "momentum_buffer": "SGD momentum_buffer", "update": "Adam update m/(sqrt(v)+eps)",
+                "momentum_buffer": "momentum_buffer (SGD, Muon)", "update": "Adam update m/(sqrt(v)+eps)",
                 "v_zero": "share of v > 0 stored as 0"}
 
 
