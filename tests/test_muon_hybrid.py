@@ -187,7 +187,7 @@ def test_a_checkpoint_with_other_routing_is_refused_and_changes_nothing():
 
 def test_memory_report_counts_one_state_per_muon_matrix():
     model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Linear(256, 256, bias=False))
-    for cfg, low, high in (("muon_8bit.yml", 1.0, 1.05), ("fp32.yml", 4.0, 4.0)):
+    for cfg, low, high in (("muon_8bit.yml", 1.0, 1.05), ("muon_4bit.yml", 0.5, 0.55), ("fp32.yml", 4.0, 4.0)):
         report = qconf.memory_report(Muon(model.named_parameters(), qconfig=CONFIGS / cfg))
         assert low <= report.bytes_per_param <= high
 
