@@ -8,6 +8,14 @@ the reference path and twice in the extension (``fused=True``) on the same gradi
 parameters, codes, scales and fp32 states bit for bit (the factored second moment within its
 documented 1e-6 of each tensor's magnitude, docs/kernels.md).
 
+Muon (``qconf.optim.Muon``) steps a matrix: its cases are 2-D (tall, wide, odd sizes, a row or a
+column) and carry Muon's hyperparameters (``"muon"``: momentum, Nesterov, adjust_lr_fn,
+ns_steps). Its fused step is two kernel calls (the momentum into a bf16 scratch, then the update)
+around Newton–Schulz, which is torch code on both paths: bf16 matrix products on a CPU are slow
+(~3 ns per multiply-add on the 2-core test machine), so ``ns_steps`` is as many of 5, 2, 1, 0 as
+fit ~1e6 multiply-adds (0: the normalization alone), and Newton–Schulz runs on one thread on both
+paths (its products and norm must not depend on the case's thread count, which is the kernels').
+
 Run as a script it is the child process that executes cases, so that a case that crashes the
 process fails its test instead of the test run::
 
@@ -18,6 +26,7 @@ and returns each failed or crashed case with what it printed.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,7 +35,7 @@ import sys
 from pathlib import Path
 
 MAX_GROUP = 1 << 24  # qconf.config.rules.MAX_GROUP_SIZE (checked in test_native_fuzz.py)
-RULES = ("adamw", "adam", "sgd", "lion", "factored")
+RULES = ("adamw", "adam", "sgd", "lion", "factored", "muon")
 DTYPES = ("float32", "bfloat16", "float16")
 MAPS = ("nonlinear", "nonlinear-nozero", "power-1", "power-2", "power-3", "linear", "float-point", "ternary")
 SCALES = ("tensor", "dim0", "dim1", "group", "rank1")
@@ -61,6 +70,34 @@ def _shape(rng: random.Random, numel: int, min_ndim: int) -> list[int]:
     return dims
 
 
+#: rows of Muon's matrices besides the divisors of numel (cols = numel // rows: odd sizes)
+MUON_ROWS = (1, 2, 3, 7, 8, 31, 33, 64, 127, 129, 640, 2049)
+NS_BUDGET = 1_000_000  # multiply-adds of Newton–Schulz per call (module docstring)
+
+
+def _matrix(rng: random.Random, numel: int) -> list[int]:
+    """A 2-D shape of about ``numel`` elements: rows a divisor of numel (numel elements) or one of
+    MUON_ROWS (rows * (numel // rows)), as rows x cols or cols x rows."""
+    divisors = [d for d in range(1, min(numel, 4096) + 1) if numel % d == 0]
+    rows = rng.choice(divisors) if rng.random() < 0.5 else rng.choice([r for r in MUON_ROWS if r <= numel])
+    shape = [rows, max(1, numel // rows)]
+    return shape if rng.random() < 0.5 else shape[::-1]
+
+
+def ns_steps_for(shape: list[int]) -> int:
+    """The most Newton–Schulz steps (5, 2, 1 or 0) that fit NS_BUDGET on a matrix of ``shape``
+    (one step: X X^T, A A and B X, about 2 m^2 n + m^3 multiply-adds for m <= n)."""
+    m, n = sorted(shape)
+    per_step = 2 * m * m * n + m ** 3
+    return next(k for k in (5, 2, 1, 0) if k * per_step <= NS_BUDGET)
+
+
+def _muon_hyper(rng: random.Random, shape: list[int]) -> dict:
+    """Muon's hyperparameters: momenta on both sides of torch.lerp's |w| < 0.5 switch and at it."""
+    return {"momentum": rng.choice((0.95, 0.9, 0.5, 0.3)), "nesterov": rng.random() < 0.7,
+            "adjust_lr_fn": rng.choice((None, "original", "match_rms_adamw")), "ns_steps": ns_steps_for(shape)}
+
+
 def _codec(rng: random.Random, signed: bool, numel: int) -> dict:
     """Codec fields the validator accepts: the ternary map is 2-bit signed, signed linear needs 2 bits."""
     qmap = rng.choice(MAPS)
@@ -78,6 +115,8 @@ def random_case(rng: random.Random, isas: list[str]) -> dict:
     rule = rng.choice(RULES)
     numel = rng.choice(NUMELS)
     min_ndim = 2 if rule == "factored" else 1
+    shape = _matrix(rng, numel) if rule == "muon" else _shape(rng, numel, min_ndim)
+    numel = shape[0] * shape[1] if rule == "muon" else numel
     # (the factored statistics are summed in another order: the documented bound is for fp32
     # parameters, whose values it moves by ~1e-7; a bf16/fp16 parameter could round either way)
     dtype = "float32" if rule == "factored" else rng.choice(DTYPES)
@@ -91,9 +130,11 @@ def random_case(rng: random.Random, isas: list[str]) -> dict:
         if weights["compensation"] == "kahan" and rng.random() < 0.5:
             weights["compensation_codec"] = {"bits": rng.choice((4, 8)), "group_size": rng.choice(
                 (1, 7, 32, 64, 128, 1000, 4096, 16383, 16384))}
-    return {"rule": rule, "shape": _shape(rng, numel, min_ndim), "dtype": dtype, "states": states,
-            "weights": weights, "strided": rng.random() < 0.3, "threads": rng.randint(1, 4),
-            "isa": rng.choice(isas)}
+    case = {"rule": rule, "shape": shape, "dtype": dtype, "states": states, "weights": weights,
+            "strided": rng.random() < 0.3, "threads": rng.randint(1, 4), "isa": rng.choice(isas)}
+    if rule == "muon":
+        case["muon"] = _muon_hyper(rng, shape)
+    return case
 
 
 def edge_cases(isas: list[str]) -> list[dict]:
@@ -110,6 +151,37 @@ def edge_cases(isas: list[str]) -> list[dict]:
                             "states": {"exp_avg": state, "exp_avg_sq": {**state, "signed": False, "map": "power-1",
                                                                          "bits": 8}},
                             "weights": None, "strided": False, "threads": 1 + numel % 2, "isa": isa})
+    return out
+
+
+def muon_cases(isas: list[str]) -> list[dict]:
+    """Fixed Muon cases on every ISA: a multi-tile wide matrix with 4-bit group momentum, a tall
+    bf16 one with a rank-1 stochastic 8-bit momentum and stochastic + quantized Kahan weights, a
+    wide fp16 one with dim1 scales and an fp16 Kahan buffer, a strided bf16 one with an fp32
+    momentum, and a single row with one stochastic tensor scale."""
+    def state(bits, scale, group=128, rounding="nearest", qmap="nonlinear"):
+        return {"exp_avg": {"enable": True, "bits": bits, "map": qmap, "signed": True, "scale": scale,
+                            "group_size": group, "rounding": rounding}}
+
+    fixed = [
+        ([20, 1029], "float32", state(4, "group"), None, False, (0.95, True, None)),
+        ([1031, 9], "bfloat16", state(8, "rank1", rounding="stochastic", qmap="linear"),
+         {"rounding": "stochastic", "compensation": "kahan", "compensation_codec": {"bits": 8, "group_size": 64}},
+         False, (0.3, False, "match_rms_adamw")),
+        ([3, 4099], "float16", state(3, "dim1", qmap="power-1"), {"rounding": "nearest", "compensation": "kahan"},
+         False, (0.5, True, "original")),
+        ([129, 65], "bfloat16", {"exp_avg": {"enable": False}}, {"rounding": "nearest", "compensation": "none"},
+         True, (0.9, True, None)),
+        ([1, 5000], "float32", state(5, "tensor", rounding="stochastic", qmap="float-point"), None, False,
+         (0.95, False, None)),
+    ]
+    out = []
+    for isa in isas:
+        for k, (shape, dtype, states, weights, strided, (momentum, nesterov, fn)) in enumerate(fixed):
+            out.append({"rule": "muon", "shape": shape, "dtype": dtype, "states": states, "weights": weights,
+                        "strided": strided, "threads": 1 + k % 3, "isa": isa,
+                        "muon": {"momentum": momentum, "nesterov": nesterov, "adjust_lr_fn": fn,
+                                 "ns_steps": ns_steps_for(shape)}})
     return out
 
 
@@ -136,10 +208,12 @@ def _qconfig(case: dict) -> dict:
 
 
 def _make(case: dict, params, fused: bool):
-    from qconf.optim import SGD, Adam, AdamW, Lion
+    from qconf.optim import SGD, Adam, AdamW, Lion, Muon
 
     kw = {"qconfig": _qconfig(case), "fused": fused, "seed": 11}
     rule = case["rule"]
+    if rule == "muon":
+        return Muon([{"params": params, "use_muon": True}], lr=0.02, weight_decay=0.1, **case["muon"], **kw)
     if rule == "adamw":
         return AdamW(params, lr=1e-2, weight_decay=0.01, **kw)
     if rule == "adam":
@@ -229,16 +303,42 @@ def run_case(case: dict, steps: int = 2) -> None:
     naming what differs. The thread count and ISA apply to the fused run."""
     import torch
 
-    ref = _trajectory(case, False, steps)
-    old = torch.get_num_threads()
-    os.environ["QCONF_CPU_ISA"] = case["isa"]
-    torch.set_num_threads(case["threads"])
-    try:
-        fus = _trajectory(case, True, steps)
-    finally:
-        torch.set_num_threads(old)
-        del os.environ["QCONF_CPU_ISA"]
+    with _one_thread_newton_schulz():
+        ref = _trajectory(case, False, steps)
+        old = torch.get_num_threads()
+        os.environ["QCONF_CPU_ISA"] = case["isa"]
+        torch.set_num_threads(case["threads"])
+        try:
+            fus = _trajectory(case, True, steps)
+        finally:
+            torch.set_num_threads(old)
+            del os.environ["QCONF_CPU_ISA"]
     _compare(case, ref, fus)
+
+
+@contextlib.contextmanager
+def _one_thread_newton_schulz():
+    """Muon's Newton–Schulz (torch's bf16 products and norm, the same code on both paths) on one
+    thread, so that its result does not depend on the thread count the case gives the kernels."""
+    import torch
+
+    from qconf.optim import muon
+
+    real = muon.zeropower
+
+    def pinned(*args, **kwargs):
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            torch.set_num_threads(old)
+
+    muon.zeropower = pinned
+    try:
+        yield
+    finally:
+        muon.zeropower = real
 
 
 def _child_main(path: str) -> int:

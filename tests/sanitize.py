@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "build" / "sanitize"
 TEMP = ROOT / "build" / "sanitize-temp"
 
-#: The native-kernel tests: the fused step, the split step, the codecs, the BitNet ops, the fuzz.
+#: The native-kernel tests: the fused step, the split step, the codecs, the BitNet ops, the fuzz, Muon.
 FULL = ["tests/test_native_fuzz.py", "tests/test_fused.py", "tests/test_fused_split.py",
         "tests/test_codec_native.py", "tests/test_integer_rows.py", "tests/test_ternary_mm.py",
-        "tests/test_value_lines.py", "tests/test_non_finite.py"]
+        "tests/test_value_lines.py", "tests/test_non_finite.py", "tests/test_muon.py"]
 #: The codecs under the sanitizers: every scale kind, code width and rounding with three maps -- a
 #: full table (nonlinear), a padded one (linear: signed, an odd number of values) and ternary. The
 #: maps differ only in the table's values, which no buffer's size depends on (the full product runs
@@ -41,12 +41,14 @@ CODEC_CASES = [f"tests/test_codec_native.py::test_native_equals_reference[{scale
                for scale in ("tensor", "dim0", "dim1", "group", "rank1") for rounding in ("nearest", "stochastic")
                for map, widths in (("nonlinear", (1, 4, 5, 8)), ("linear", (1, 4, 5, 8)), ("ternary", (2,)))
                for bits in widths]
-#: What CI runs (about 55 s under the sanitizers on 2 cores): the fuzz's edge cases and two batches
-#: of 12 random cases (every rule, scale kind, map, dtype and ISA among them), the split step, the
-#: native codecs above, the integer row passes and the BitNet ops, block sizes around the main
-#: loop's chunk and non-finite gradients. (--full adds the rest of the fuzz, the shipped-config and
-#: codec sweeps and the ISA-override subprocess tests.)
+#: What CI runs (about 55 s under the sanitizers on 2 cores): the fuzz's edge cases, its fixed Muon
+#: cases (both of Muon's kernel calls on every ISA) and two batches of 12 random cases (every rule,
+#: Muon included, scale kind, map, dtype and ISA among them), the split step, the native codecs
+#: above, the integer row passes and the BitNet ops, block sizes around the main loop's chunk and
+#: non-finite gradients. (--full adds the rest of the fuzz, the shipped-config and codec sweeps and
+#: the ISA-override subprocess tests.)
 FOCUSED = ["tests/test_native_fuzz.py::test_groups_larger_than_the_tensor_on_every_isa",
+           "tests/test_native_fuzz.py::test_muon_cases_on_every_isa",
            *(f"tests/test_native_fuzz.py::test_random_cases_equal_the_reference[{b}]" for b in range(2)),
            "tests/test_fused_split.py", *CODEC_CASES,
            "tests/test_codec_native.py::test_native_non_finite_and_zero_blocks_match",

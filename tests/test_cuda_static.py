@@ -6,7 +6,7 @@ docs/kernels.md: at most 64 registers, no stack or spills, at most 100 hot SASS 
 element, no local-memory, barrier or atomic instruction in the main loop. The specs are the most
 common one (group-128 4-bit, fp32 parameters) and the two nearest the instruction limit (8bit.yml's
 1-D spec with bf16 parameters; bf16 parameters with stochastic rounding, bitnet_4bit_bf16.yml), so
-a change that costs instructions shows here.
+a change that costs instructions shows here; and one spec of each of Muon's two calls.
 """
 from __future__ import annotations
 
@@ -99,6 +99,21 @@ def test_group_scaled_specs_keep_the_targets(spec, tools, tmp_path):
     assert not any(k.loop.forbidden.values()), k.loop.forbidden
     row = {"spec": spec, "group_scaled": True, "kernels": [k]}
     assert target_failures([row]) == []
+
+
+@pytest.mark.parametrize("spec", ["muon_momentum.pn-bf16.f32-plain-q8.g256.lines_s-none-none",
+                                  "muon_update.w-bf16.bf16-sr-none-none-none"])
+def test_muon_specs_compile_for_the_gpu_within_the_targets(spec, tools, tmp_path):
+    """Muon's two calls -- the momentum into the bf16 scratch (configs/muon_8bit.yml's 8-bit linear
+    codec), the update of a bf16 parameter with stochastic rounding -- compile with NVRTC for sm_90
+    as the driver compiles them at first use (no Muon spec is ahead of time; tests/test_spec_host.py
+    runs their per-thread code on the host), within the group-scaled specs' targets."""
+    (k,) = analyze_spec(spec, tools, 90, str(tmp_path))
+    assert k.kernel == "apply"
+    assert k.registers <= TARGETS["registers"] and k.stack == 0 and k.spills == 0, k
+    assert 5 <= k.loop.hot_per_element <= TARGETS["hot_per_element"], k.loop  # (5: a real loop was found)
+    assert not any(k.loop.forbidden.values()), k.loop.forbidden
+    assert target_failures([{"spec": spec, "group_scaled": True, "kernels": [k]}]) == []
 
 
 def test_rank1_specs_report_both_passes(tools, tmp_path):

@@ -1,7 +1,8 @@
 """The native step against the reference path over a seeded shape fuzz (tests/native_fuzz.py):
 numel 1 to 300,000 (primes, powers of two and their neighbours), group sizes 1 to the validator's
-maximum, every scale kind and map, bits 1-8, AdamW/Adam/SGD/Lion/factored, fp32/bf16/fp16
-parameters with every weights mode, strided and not, 1-4 threads, every ISA of this machine.
+maximum, every scale kind and map, bits 1-8, AdamW/Adam/SGD/Lion/factored/Muon (2-D: tall, wide,
+odd, single rows and columns), fp32/bf16/fp16 parameters with every weights mode, strided and not,
+1-4 threads, every ISA of this machine.
 
 Every case runs in a child process, so a case that crashes the process (a buffer overrun, an
 abort) fails its batch here, naming the case, and the other cases still run. Deterministic: the
@@ -34,6 +35,22 @@ def test_fuzz_covers_the_validators_group_range():
     assert {c["rule"] for c in cases} == set(native_fuzz.RULES)
     assert {c["isa"] for c in cases} == set(machine_isas())
     assert {c["dtype"] for c in cases} == set(native_fuzz.DTYPES)
+    muon = [c for c in cases if c["rule"] == "muon"]
+    assert all(len(c["shape"]) == 2 for c in muon)
+    assert {c["dtype"] for c in muon} == set(native_fuzz.DTYPES)
+    shapes = [c["shape"] for c in muon]
+    assert any(r > c > 1 for r, c in shapes) and any(1 < r < c for r, c in shapes)  # tall and wide
+    assert {c["weights"]["compensation"] for c in muon if c["weights"]} == {"none", "kahan"}
+    assert {c["muon"]["nesterov"] for c in muon} == {True, False}
+
+
+def test_muon_cases_on_every_isa(tmp_path):
+    """Muon's two kernel calls (the momentum into a bf16 scratch, the update with the weights
+    policy) on fixed matrices -- multi-tile, tall, wide, one row, strided; group, rank-1, dim1 and
+    tensor momentum scales; bf16 stochastic + quantized Kahan, fp16 Kahan -- on every ISA, equal to
+    the reference bit for bit (tests/sanitize.py runs them under the sanitizers)."""
+    problems = native_fuzz.run_isolated(native_fuzz.muon_cases(machine_isas()), tmp_path)
+    assert not problems, "\n".join(problems)
 
 
 def test_groups_larger_than_the_tensor_on_every_isa(tmp_path):

@@ -12,13 +12,19 @@ case below runs the specialized tensors through that model and the rest through 
 parameters, codes, scales and fp32 states. A GPU run can then only find what the model does not
 share with the kernels: the shuffles, atomics and barriers themselves.
 
+Muon's two calls per matrix (rules muon_momentum: a bf16 scratch "parameter", the gradient in the
+parameter's dtype; muon_update: the orthogonalized bf16 matrix as the "gradient", the weights
+policy) go through qconf.optim.fused.run_one; the MUON_CASES redirect its op call to the model.
+
 The emulator extension instantiates every spec the cases produce (named by
 torch.ops.qconf.cuda_specs, typed by cuda_spec_source), compiled once per session.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -26,7 +32,8 @@ import torch
 
 from qconf import _native
 from qconf.codec import QTensor
-from qconf.optim import SGD, Adam, AdamW, Lion
+from qconf.optim import SGD, Adam, AdamW, Lion, Muon
+from qconf.optim import fused
 from qconf.optim.fused import _signed64
 
 from helpers import CONFIGS, ROOT, host_extension, host_extension_job, module_literal, prebuilt_extension
@@ -95,13 +102,37 @@ CASES = ([(c, o, torch.float32) for c in SHIPPED + sorted(EXTRA) for o in ("adam
          + [("weights_sr", "sgd", torch.bfloat16)])
 STEPS = 4
 
+# Muon (qconf.optim.Muon): matrices only -- rank-1 rows of one strip and of several, rows of 16
+# and 8 threads, a tall one (Newton-Schulz transposes it; the kernels do not), rows of 640 columns
+# (a rank-1 momentum there takes the generic kernel)
+MUON_SHAPES = [(96, 256), (8, 4864), (33, 128), (4, 4096), (200, 64), (10, 640)]
+MUON_EXTRA = {
+    "muon_rank1_sr": {"min_numel": 64, "states": {"exp_avg": _state(bits=8, map="linear", scale="rank1",
+                                                                     rounding="stochastic")}},
+    "muon_g32_sr": {"min_numel": 0, "states": {"exp_avg": _state(bits=4, group_size=32, rounding="stochastic")}},
+}
+MUON_OPTIMIZERS = {  # (torch.lerp's two forms: |w| < 0.5 or not, for the buffer's 1 - momentum and Nesterov's momentum)
+    "nesterov": dict(lr=0.02, weight_decay=0.1),
+    "heavy_ball": dict(lr=0.02, weight_decay=0.1, nesterov=False, adjust_lr_fn="match_rms_adamw"),
+    "m03": dict(lr=0.01, weight_decay=0.0, momentum=0.3, adjust_lr_fn="original"),
+}
+# (config, Muon variant, dtype): the momentum call with fp32 / bf16 / fp16 gradients into the bf16
+# scratch, the update call with fp32 / bf16 / fp16 parameters under every weights policy
+MUON_CASES = [("default.yml", "nesterov", torch.float32), ("muon_8bit.yml", "nesterov", torch.bfloat16),
+              ("fp32.yml", "heavy_ball", torch.float32), ("muon_rank1_sr", "m03", torch.float32),
+              ("muon_rank1_sr", "nesterov", torch.bfloat16), ("muon_g32_sr", "heavy_ball", torch.float16),
+              ("weights_sr", "nesterov", torch.bfloat16), ("weights_kahan", "m03", torch.bfloat16),
+              ("weights_sr_kahan_q4", "nesterov", torch.bfloat16), ("weights_kahan_q8", "heavy_ball", torch.float16)]
+MUON_SPECIAL_CASES = [("default.yml", "nesterov", torch.float32), ("weights_sr", "nesterov", torch.bfloat16),
+                      ("weights_kahan", "m03", torch.bfloat16)]  # (cases of MUON_CASES: the emulator has their specs)
+
 
 def _config(name):
     if name.endswith(".yml"):
         return CONFIGS / name
     if name.startswith("weights_"):
         return {"base": str(CONFIGS / "default.yml"), "min_numel": 100, "weights": WEIGHTS[name[len("weights_"):]]}
-    return EXTRA[name]
+    return EXTRA[name] if name in EXTRA else MUON_EXTRA[name]
 
 
 def _params(dtype, seed=0):
@@ -211,6 +242,10 @@ def _names_of_cases():
     for case in CASES:
         _, opt = _run(case, steps=1)
         names.update(n for n in _spec_names(opt) if not n.startswith("generic"))
+    for case in MUON_CASES:
+        calls = []
+        _run_muon(case, steps=1, calls=calls)
+        names.update(n for _, n in calls if not n.startswith("generic"))
     # bf16 stochastic rounding with a hash per element (shards at odd offsets, PAIR_OFFSETS)
     names.update(n.replace("-sr-", "-sr.each-") for n in list(names) if "bf16.bf16-sr-" in n)
     return sorted(names)
@@ -330,7 +365,7 @@ def build_emulator(build_directory):
 
 # compiled in the background from when collection ends (conftest.py)
 BACKGROUND_JOBS = {"emu": host_extension_job(__file__, "build_emulator")}
-BACKGROUND_CPU_S = 86  # one core
+BACKGROUND_CPU_S = 100  # one core
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +383,151 @@ def test_emulated_specialized_step_equals_cpu_fused(case, emu):
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon: two kernel calls per matrix through qconf.optim.fused.run_one
+
+
+@contextlib.contextmanager
+def _muon_kernel_calls(emu=None, calls=None):
+    """Redirects run_one's op call (qconf.optim.fused's ``ops.fused_step``): through the emulated
+    specialized kernels (emu; the generic tensors through the CPU kernel, as the CUDA driver hands
+    them to the generic kernel) or the CPU kernel; ``calls`` collects (rule name, spec name) of each
+    call before it runs."""
+    words = {_native.layout()[f"rule.{w}"]: w for w in ("muon_momentum", "muon_update")}
+
+    def fused_step(rule, params, grads, steps, states, meta, tables, hyper, seed):
+        if calls is not None:
+            for name in torch.ops.qconf.cuda_specs(rule, params, grads, steps, states, meta, tables, hyper, seed):
+                calls.append((words.get(rule, rule), name))
+        if emu is None:
+            torch.ops.qconf.fused_step(rule, params, grads, steps, states, meta, tables, hyper, seed)
+            return
+        generic = emu.step(rule, params, grads, steps, states, meta, tables, hyper, seed)
+        if generic:
+            slot = _native.layout()["slot.len"]
+            torch.ops.qconf.fused_step(rule, [params[i] for i in generic], [grads[i] for i in generic],
+                                       [steps[i] for i in generic],
+                                       [x for i in generic for x in states[i * slot:(i + 1) * slot]],
+                                       meta[generic].contiguous(), tables, hyper, seed)
+
+    real = fused.ops
+    fused.ops = types.SimpleNamespace(fused_step=fused_step)
+    try:
+        yield
+    finally:
+        fused.ops = real
+
+
+def _run_muon(case, emu=None, steps=STEPS, special=False, calls=None):
+    """STEPS Muon steps of the case, every matrix's two calls on the CPU kernel or (emu) the
+    emulated specialized kernels; special: with the SPECIAL values in the parameters and in the
+    gradients of step 1."""
+    config, variant, dtype = case
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in MUON_SHAPES]
+    if special:
+        _poison(params, SPECIAL_PARAMS, 37)
+    opt = Muon([{"params": params, "use_muon": True}], qconfig=_config(config), fused=True, seed=3,
+               **MUON_OPTIMIZERS[variant])
+    with _muon_kernel_calls(emu, calls):
+        for step in range(steps):
+            g = torch.Generator().manual_seed(1000 + step)
+            grads = [(torch.randn(s, generator=g) * 10.0 ** (step % 3 - 2)).to(dtype) for s in MUON_SHAPES]
+            if special and step == 1:
+                _poison(grads, SPECIAL_GRADS, 37)
+            for p, gr in zip(params, grads):
+                p.grad = gr
+            opt.step()
+    return params, opt
+
+
+def _muon_id(case):
+    return f"{case[0]}-{case[1]}-{str(case[2])[6:]}"
+
+
+@pytest.mark.parametrize("case", MUON_CASES, ids=_muon_id)
+def test_emulated_muon_calls_equal_cpu_fused(case, emu):
+    """Both Muon calls of every matrix through the specialized kernels' model, bit for bit against
+    the CPU kernel: the momentum (torch.lerp's fused multiply-adds, the codec) and the bf16 scratch
+    it writes, then the update with the weights policy; Newton-Schulz in between sees the same
+    bits on both sides."""
+    want_params, want_opt = _run_muon(case)
+    got_params, got_opt = _run_muon(case, emu)
+    for i, (a, b) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} of shape {tuple(a.shape)}"
+    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+
+
+def _nan_as_one(t):
+    """``_bits`` with every NaN as one pattern (its sign and payload left out)."""
+    if not t.is_floating_point():
+        return t
+    return _bits(torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t))
+
+
+@pytest.mark.parametrize("case", MUON_SPECIAL_CASES, ids=_muon_id)
+def test_emulated_muon_calls_take_the_same_rare_paths(case, emu, monkeypatch):
+    """NaN, infinities, the largest bf16 and subnormals in the parameters and the step-1 gradients
+    of Muon's calls (the lerps' fused multiply-adds and the update's on special values; Newton-Schulz
+    then spreads a NaN over its matrix): the bits of the CPU kernel's scalar path, NaN signs and
+    payloads included. The vector kernels (AVX2, AVX-512) give the same values but not always the
+    same NaN: where two NaNs of different signs meet in one operation (an infinite parameter turned
+    NaN by Kahan's inf - inf at step 0, then the update's fma with Newton-Schulz's NaN matrix, and
+    Kahan's sums after it), which one comes out is IEEE's unspecified choice, and x86 takes it from
+    the operand order the compiler emitted (for an fma, its 132/213/231 form), so the vector
+    kernels and the scalar path differ in that NaN's sign (12 elements of the Kahan case on AVX2);
+    checked here: the same elements NaN, every other bit equal."""
+    got_params, got_opt = _run_muon(case, emu, special=True)
+    monkeypatch.setenv("QCONF_CPU_ISA", "scalar")
+    want_params, want_opt = _run_muon(case, special=True)
+    monkeypatch.delenv("QCONF_CPU_ISA")
+    best_params, best_opt = _run_muon(case, special=True)
+    assert any(torch.isnan(p).any() for p in want_params)
+    for i, (a, b, c) in enumerate(zip(got_params, want_params, best_params)):
+        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} of shape {tuple(a.shape)}"
+        assert torch.equal(_nan_as_one(c), _nan_as_one(b)), f"parameter {i}: the vector kernel's values"
+    got, want, best = _state_tensors(got_opt), _state_tensors(want_opt), _state_tensors(best_opt)
+    for k in want:
+        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+        assert torch.equal(_nan_as_one(best[k]), _nan_as_one(want[k])), k
+
+
+def test_muon_calls_reach_the_specialized_kernels():
+    """Every Muon call of the cases is specialized but the rank-1 momentum on rows of 640 columns
+    (which AdamW's rank-1 states leave to the generic kernel too), with the spec names the rules,
+    dtypes and weights policies should give."""
+    calls = []
+    for case in MUON_CASES:
+        _run_muon(case, steps=1, calls=calls)
+    assert len(calls) == 2 * len(MUON_SHAPES) * len(MUON_CASES)
+    assert set(MUON_SPECIAL_CASES) <= set(MUON_CASES)
+    # the generic ones: the rank-1 momentum (two cases) on rows of 640 columns, as AdamW's rank-1 states
+    generic = [c for c in calls if c[1].startswith("generic")]
+    assert generic == 2 * [("muon_momentum", "generic: a rank-1 scale on rows of 640 elements")], generic
+    for rule, name in calls:
+        if name.startswith("generic"):
+            continue
+        assert name.split("-")[0].split(".")[0] == rule, (rule, name)
+        if rule == "muon_momentum":
+            assert name.split("-")[1].startswith("bf16."), name  # the scratch is bf16 whatever the parameter
+        else:
+            assert name.split("-")[1].endswith(".bf16") and name.split("-")[3:5] == ["none", "none"], name
+    names = {n for _, n in calls}
+    for needed in ("muon_momentum.pn-bf16.f32-plain-q4.g128.search-none-none",
+                   "muon_momentum.pn-bf16.bf16-plain-q8.g256.lines_s-none-none",
+                   "muon_momentum.p-bf16.f32-plain-fp32-none-none",
+                   "muon_momentum.pn-bf16.f32-plain-q8.r1.sr-none-none",
+                   "muon_momentum.p-bf16.f16-plain-q4.g32.sr-none-none",
+                   "muon_update.w-f32.bf16-plain-none-none-none", "muon_update.w-bf16.bf16-plain-none-none-none",
+                   "muon_update.w-bf16.bf16-sr-none-none-none", "muon_update-bf16.bf16-kahan-none-none-half",
+                   "muon_update.w-bf16.bf16-sr+kahan-none-none-q4.g64.sr",
+                   "muon_update.w-f16.bf16-kahan-none-none-q8.g128.lines_s"):
+        assert needed in names, (needed, sorted(names))
 
 
 def _bits(t):
@@ -570,15 +750,23 @@ def test_the_ahead_of_time_specs_are_those_of_the_common_configs(emu):
 def test_spec_names_round_trip_and_bad_names_are_refused():
     for name in ["adam.wd-f32.f32-plain-q4.g128.search-q4.r1.grid-none", "sgd.wpn-bf16.f16-sr+kahan-q8.g8.sr-none-half",
                  "lion.mw-f16.f16-kahan-fp32-none-q8.g128.lines_s", "adam-f32.f32-plain-none-none-none",
-                 "adam.wd-bf16.bf16-sr.each-q4.g128.search-q4.g128.grid-none"]:
+                 "adam.wd-bf16.bf16-sr.each-q4.g128.search-q4.g128.grid-none",
+                 "muon_momentum.pn-bf16.f32-plain-q8.r1.sr-none-none", "muon_momentum-bf16.bf16-plain-fp32-none-none",
+                 "muon_update.w-bf16.bf16-sr.each-none-none-none", "muon_update-f16.bf16-kahan-none-none-half"]:
         text = torch.ops.qconf.cuda_spec_source(name)
         assert "QCONF_SPEC_KERNELS(QconfSpec)" in text
+        rule = name.split("-")[0].split(".")[0]
+        assert f"qconf::spec::Spec<{_native.layout()['rule.' + rule]}, " in text, name
     for bad, why in [("adam-f32", "is not a spec name"), ("adam.x-f32.f32-plain-none-none-none", "is not a spec name"),
                      ("adam.dw-f32.f32-plain-none-none-none", "is not a spec name"),  # flags out of order
                      ("adam-f32.f32-plain-q4.g100.search-none-none", "groups of 100"),
                      ("sgd-f32.f32-plain-fp32-fp32-none", "one-state rule"),
                      ("adam-f32.f32-sr-fp32-fp32-none", "float32 parameters with low-precision weights"),
                      ("adam-bf16.bf16-kahan-fp32-fp32-none", "Kahan buffer without Kahan weights"),
-                     ("adam-f16.f16-sr.each-fp32-fp32-none", r"random bits per element \(sr.each\) without bf16")]:
+                     ("adam-f16.f16-sr.each-fp32-fp32-none", r"random bits per element \(sr.each\) without bf16"),
+                     ("muon-bf16.f32-plain-fp32-none-none", "is not a spec name"),  # the rules are the two calls
+                     ("muon_momentum.x-bf16.f32-plain-fp32-none-none", "is not a spec name"),
+                     ("muon_momentum-bf16.f32-plain-fp32-fp32-none", "one-state rule"),
+                     ("muon_update-f32.bf16-kahan-none-none-half", "float32 parameters with low-precision weights")]:
         with pytest.raises(RuntimeError, match=why):
             torch.ops.qconf.cuda_spec_source(bad)
