@@ -96,7 +96,7 @@ enum ScaleKind : int32_t { kBlock = 0, kDim1 = 1, kRank1 = 2 };
 // the dtype of a parameter, gradient or 16-bit state
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // the update rule of a call (AdamRule, SgdRule, LionRule, MuonMomentumRule, MuonUpdateRule in
-// element.h); Muon's step is two calls around Newton-Schulz (qconf/optim/muon_fused.py)
+// element.h); Muon's step is two calls around Newton-Schulz (qconf/optim/muon.py)
 enum RuleId : int32_t { kRuleAdam = 0, kRuleSgd = 1, kRuleLion = 2, kRuleMuonMomentum = 3, kRuleMuonUpdate = 4 };
 constexpr int32_t kRuleLast = kRuleMuonUpdate;
 
