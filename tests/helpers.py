@@ -93,6 +93,20 @@ def assert_same_state(a: dict, b: dict) -> None:
             assert a[k] == b[k], k
 
 
+def assert_same_run(a, b) -> None:
+    """Two runs' (model or list of parameters, optimizer), on any devices: every parameter and
+    every state_dict tensor equal, dtypes included."""
+    (ma, oa), (mb, ob) = a, b
+    pa = ma.parameters() if isinstance(ma, torch.nn.Module) else ma
+    pb = mb.parameters() if isinstance(mb, torch.nn.Module) else mb
+    for i, (p, q) in enumerate(zip(pa, pb, strict=True)):
+        assert p.dtype == q.dtype and torch.equal(p.detach().cpu(), q.detach().cpu()), f"parameter {i}"
+
+    def on_cpu(state):
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    assert_same_state(on_cpu(flat_state(oa)), on_cpu(flat_state(ob)))
+
+
 def host_extension(name: str, source: str, functions: list[str], build_directory: Path):
     """Compile C++ ``source`` (which includes csrc/include headers) for the host, as the native
     extension is compiled (no fp contraction), exposing ``functions``; returns the module."""

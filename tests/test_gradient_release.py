@@ -16,7 +16,7 @@ import torch
 from qconf.optim import SGD, Adam, AdamW, Lion, Muon, prepare_gradient_release, remove_gradient_release
 from qconf.optim.release import ReleasedGrad
 
-from helpers import CONFIGS, assert_same_state, flat_state, mlp, regression_batches
+from helpers import CONFIGS, assert_same_run, mlp, regression_batches
 
 QCONFIGS = {"group128": "2nd_moment_group_128.yml", "rank1": "default.yml", "8bit": "8bit.yml", "fp32": "fp32.yml"}
 WEIGHTS = {"fp32": (torch.float32, {}), "bf16_sr": (torch.bfloat16, {"rounding": "stochastic"}),
@@ -64,13 +64,6 @@ def _train(model, opt, batches, on_step=None):
     return losses
 
 
-def _assert_same_run(a, b):
-    (ma, oa), (mb, ob) = a, b
-    for p, q in zip(ma.parameters(), mb.parameters()):
-        assert torch.equal(p, q)
-    assert_same_state(flat_state(oa), flat_state(ob))
-
-
 # ---------------------------------------------------------------------------------------------
 # same numbers
 
@@ -82,7 +75,7 @@ def test_release_is_bit_identical_to_normal_steps(config, weights, fused):
     normal, release = _make(config=config, weights=weights, fused=fused), _make(config=config, weights=weights,
                                                                                 fused=fused, release=True)
     assert _train(*normal, batches) == _train(*release, batches)
-    _assert_same_run(normal, release)
+    assert_same_run(normal, release)
     assert all(isinstance(p.grad, ReleasedGrad) for p in release[0].parameters())
 
 
@@ -95,7 +88,7 @@ def test_every_rule_is_bit_identical(rule, config, weights, fused):
     release = _make(rule, config, weights, fused, release=True)
     _train(*normal, batches)
     _train(*release, batches)
-    _assert_same_run(normal, release)
+    assert_same_run(normal, release)
 
 
 def test_the_fused_path_really_runs_per_parameter_plans():
@@ -137,7 +130,7 @@ def test_zero_grad_set_to_none_leaves_no_grad(rule):
             opt.step()
             opt.zero_grad()
             assert all(p.grad is None for p in model.parameters())
-    _assert_same_run(normal, release)
+    assert_same_run(normal, release)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
@@ -156,7 +149,7 @@ def test_schedulers_and_changed_group_values_take_effect_from_the_next_backward(
 
         _train(model, opt, batches, on_step)
         runs.append((model, opt))
-    _assert_same_run(*runs)
+    assert_same_run(*runs)
     assert runs[1][1].param_groups[0]["lr"] == runs[0][1].param_groups[0]["lr"]
 
 
@@ -170,7 +163,7 @@ def test_override_quantize_enable_works_during_release():
         opt.override_quantize_enable(model[2], "bias", True)
         _train(model, opt, batches[2:])
         runs.append((model, opt))
-    _assert_same_run(*runs)
+    assert_same_run(*runs)
     assert not hasattr(runs[1][1].state[runs[1][0][0].weight]["exp_avg"], "codes")
 
 
@@ -184,7 +177,7 @@ def test_removing_the_hooks_returns_to_normal_stepping():
     assert all(p.grad is None for p in model.parameters())
     _train(model, opt, batches[3:])  # normal steps: step() steps, zero_grad() clears
     assert all(p.grad is not None and not isinstance(p.grad, ReleasedGrad) for p in model.parameters())
-    _assert_same_run(normal, (model, opt))
+    assert_same_run(normal, (model, opt))
     prepare_gradient_release(model, opt)  # and back
     with pytest.raises(ValueError, match="already has gradient release hooks"):
         prepare_gradient_release(model, opt)
@@ -230,7 +223,7 @@ def test_micro_batches_accumulate_inside_no_release(fused):
         assert not any(isinstance(p.grad, ReleasedGrad) for p in model.parameters())
         _loss(model, *batches[k + 2]).backward()  # the last micro-batch steps on the sum
         opt.step()
-    _assert_same_run(normal, release)
+    assert_same_run(normal, release)
 
 
 def test_a_last_micro_batch_inside_no_release_steps_at_step():
@@ -245,7 +238,7 @@ def test_a_last_micro_batch_inside_no_release_steps_at_step():
         for x, y in batches:
             _loss(model, x, y).backward()
     opt.step()  # the gradients still held are stepped, as the normal step would
-    _assert_same_run(normal, release)
+    assert_same_run(normal, release)
 
 
 def test_micro_batches_without_no_release_are_refused_at_step():
@@ -280,7 +273,7 @@ def test_a_closure_runs_once_and_its_backward_steps(fused):
             assert isinstance(opt.step(closure), torch.Tensor)
         assert len(calls) == len(batches)
         runs.append((model, opt))
-    _assert_same_run(*runs)
+    assert_same_run(*runs)
 
 
 def test_gradient_norms_work_and_a_clip_that_would_scale_is_refused():
@@ -365,7 +358,7 @@ def test_checkpoints_move_between_release_and_normal_runs(direction):
     model2.load_state_dict(model.state_dict())
     opt2.load_state_dict(_roundtrip(opt.state_dict()))
     _train(model2, opt2, batches[3:])
-    _assert_same_run(reference, (model2, opt2))
+    assert_same_run(reference, (model2, opt2))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -389,7 +382,7 @@ def test_dcp_resume_with_release_equals_the_normal_run(tmp_path):
     model2.load_state_dict(template["model"])
     set_optimizer_state_dict(model2, opt2, template["optim"])
     _train(model2, opt2, batches[3:])
-    _assert_same_run(reference, (model2, opt2))
+    assert_same_run(reference, (model2, opt2))
 
 
 def test_a_compiled_model_releases_the_same_way():
@@ -405,4 +398,4 @@ def test_a_compiled_model_releases_the_same_way():
             opt.step()
             opt.zero_grad()
         runs.append((model, opt))
-    _assert_same_run(*runs)
+    assert_same_run(*runs)

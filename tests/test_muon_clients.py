@@ -8,7 +8,6 @@ written as a plain loop with the same optimizer, bit for bit, with and without g
 from __future__ import annotations
 
 import io
-import warnings
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ import torch
 from qconf.optim import Muon, prepare_gradient_release
 from qconf.optim.release import ReleasedGrad
 
-from helpers import CONFIGS, assert_same_state, flat_state, mlp, regression_batches
+from client_runs import hf_trainer_run, lightning_fit, regression_data, regression_loader
+from helpers import CONFIGS, assert_same_run, assert_same_state, flat_state, mlp
 
 #: Muon's 8-bit momentum recipe, every state quantized, bf16 weights stochastically rounded
 QCONFIG = {"base": str(CONFIGS / "muon_8bit.yml"), "min_numel": 0, "weights": {"rounding": "stochastic"}}
@@ -25,11 +25,6 @@ STEPS = 6
 #: mlp()'s three weights take Muon (2-D, no embedding/head name), its biases the AdamW part
 ROUTING = {"0.weight": "muon", "2.weight": "muon", "4.weight": "muon",
            "0.bias": "adamw", "2.bias": "adamw", "4.bias": "adamw"}
-
-
-def _data(n_batches=STEPS, batch=8):
-    xs, ys = zip(*regression_batches(n_batches, seed=11, batch=batch))
-    return torch.cat(xs), torch.cat(ys)
 
 
 def _muon(named_params, release=False, qconfig=QCONFIG):
@@ -46,16 +41,9 @@ def _record_released(opt):
 
 
 def _full_loss(net, dtype=torch.float32):
-    x, y = _data()
+    x, y = regression_data(STEPS)
     with torch.no_grad():
         return torch.nn.functional.mse_loss(net(x.to(dtype)).float(), y).item()
-
-
-def _assert_same(a, b):
-    (ma, oa), (mb, ob) = a, b
-    for (name, p), q in zip(ma.named_parameters(), mb.parameters()):
-        assert p.dtype == q.dtype and torch.equal(p, q), name
-    assert_same_state(flat_state(oa), flat_state(ob))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,8 +69,6 @@ def _hf_run(tmp_path, release):
     whether each step's gradients were released)."""
     import transformers
 
-    x, y = _data()
-    dataset = [{"x": a, "y": b} for a, b in zip(x, y)]
     model = _Regression()
     opt = _muon(model.net.named_parameters(), release)
     if release:
@@ -94,15 +80,7 @@ def _hf_run(tmp_path, release):
         def on_step_begin(self, args, state, control, **kwargs):
             lrs.append([g["lr"] for g in opt.param_groups])
 
-    targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path / f"hf{int(release)}"), max_steps=STEPS, per_device_train_batch_size=8,
-        report_to="none", use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=0, data_seed=0, max_grad_norm=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = transformers.Trainer(model=model, args=targs, train_dataset=dataset, optimizers=(opt, None),
-                                       callbacks=[RecordLR()])
-        trainer.train()
+    trainer = hf_trainer_run(model, opt, None, tmp_path / f"hf{int(release)}", STEPS, callbacks=[RecordLR()])
     assert isinstance(trainer.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)  # the Trainer's own (linear)
     return model.net, opt, model.seen, lrs, released
 
@@ -137,11 +115,11 @@ def test_hf_trainer_runs_muon_with_its_scheduler_and_equals_a_plain_loop(tmp_pat
     # the Trainer's run is the plain loop's, bit for bit; gradient release changes nothing
     hand = _hand_loop(seen, torch.bfloat16, lambda o: torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: max(0.0, (STEPS - s) / STEPS)))
-    _assert_same(normal[:2], hand)
+    assert_same_run(normal[:2], hand)
     assert len(release[2]) == STEPS and all(torch.equal(a, c) and torch.equal(b, d)
                                             for (a, b), (c, d) in zip(release[2], seen))
     assert release[3] == lrs
-    _assert_same(normal[:2], release[:2])
+    assert_same_run(normal[:2], release[:2])
     # what the Trainer's optimizer saves loads with weights_only=True and resumes into a fresh Muon
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
@@ -155,38 +133,16 @@ def test_hf_trainer_runs_muon_with_its_scheduler_and_equals_a_plain_loop(tmp_pat
 # Lightning
 
 def _lightning_run(release):
-    import lightning as L
+    def configure_optimizers(module):
+        module.opt = _muon(module.net.named_parameters(), release, QCONFIG | {"weights": {}})
+        if release:
+            prepare_gradient_release(module, module.opt)
+        module.released = _record_released(module.opt)
+        sched = torch.optim.lr_scheduler.StepLR(module.opt, step_size=2, gamma=0.5)
+        return {"optimizer": module.opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    class Regression(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = mlp(0)
-            self.opt = None
-            self.released = None
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            self.opt = _muon(self.net.named_parameters(), release, QCONFIG | {"weights": {}})
-            if release:
-                prepare_gradient_release(self, self.opt)
-            self.released = _record_released(self.opt)
-            sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
-            return {"optimizer": self.opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    module = Regression()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False).fit(module, _loader())
+    module = lightning_fit(mlp(0), configure_optimizers, STEPS)
     return module.net, module.opt, module.released
-
-
-def _loader():
-    x, y = _data()
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
 def test_lightning_runs_muon_and_equals_a_plain_loop():
@@ -199,8 +155,8 @@ def test_lightning_runs_muon_and_equals_a_plain_loop():
     # the per-step StepLR halved both groups' lr every 2 steps
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([MUON_LR / 8, ADAMW_LR / 8], rel=1e-12)
     assert _full_loss(net) < 0.9 * before
-    hand = _hand_loop(list(_loader()), torch.float32,
+    hand = _hand_loop(list(regression_loader(STEPS)), torch.float32,
                       lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5))
-    _assert_same(normal[:2], hand)
-    _assert_same(normal[:2], release[:2])
+    assert_same_run(normal[:2], hand)
+    assert_same_run(normal[:2], release[:2])
     assert int(release[1].state[release[0][0].weight]["step"]) == STEPS

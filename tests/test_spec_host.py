@@ -22,10 +22,8 @@ torch.ops.qconf.cuda_specs, typed by cuda_spec_source), compiled once per sessio
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -155,10 +153,16 @@ def _group_call(opt, group):
     return plan, [p.grad for p in plan.params], hyper, _signed64(opt._seed)
 
 
-def _subset(plan, grads, idx):
-    slot = _native.layout()["slot.len"]
-    return ([plan.params[i] for i in idx], [grads[i] for i in idx], [plan.steps[i] for i in idx],
-            [s for i in idx for s in plan.states[i * slot:(i + 1) * slot]], plan.meta[idx].contiguous())
+def _emulate(emu, rule, params, grads, steps, states, meta, tables, hyper, seed):
+    """One fused call through the emulated specialized kernels; the tensors they leave to the
+    generic kernel go through the CPU kernel (as the CUDA driver hands them to the generic one)."""
+    generic = emu.step(rule, params, grads, steps, states, meta, tables, hyper, seed)
+    if generic:
+        slot = _native.layout()["slot.len"]
+        torch.ops.qconf.fused_step(rule, [params[i] for i in generic], [grads[i] for i in generic],
+                                   [steps[i] for i in generic],
+                                   [s for i in generic for s in states[i * slot:(i + 1) * slot]],
+                                   meta[generic].contiguous(), tables, hyper, seed)
 
 
 def _spec_names(opt):
@@ -215,9 +219,7 @@ def _emulated_step(emu, opt, group):
     if call is None:
         return
     plan, grads, hyper, seed = call
-    generic = emu.step(plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta, plan.tables, hyper, seed)
-    if generic:
-        torch.ops.qconf.fused_step(plan.rule, *_subset(plan, grads, generic), plan.tables, hyper, seed)
+    _emulate(emu, plan.rule, plan.params, grads, plan.steps, plan.states, plan.meta, plan.tables, hyper, seed)
 
 
 def _state_tensors(opt):
@@ -375,14 +377,7 @@ def emu(request, background_jobs):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
 def test_emulated_specialized_step_equals_cpu_fused(case, emu):
-    want_params, want_opt = _run(case)
-    got_params, got_opt = _run(case, emu)
-    for i, (a, b) in enumerate(zip(got_params, want_params)):
-        assert torch.equal(a, b), f"parameter {i} of shape {tuple(a.shape)}"
-    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    _assert_same_bits(_run(case, emu), _run(case))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,14 +398,8 @@ def _muon_kernel_calls(emu=None, calls=None):
                 calls.append((words.get(rule, rule), name))
         if emu is None:
             torch.ops.qconf.fused_step(rule, params, grads, steps, states, meta, tables, hyper, seed)
-            return
-        generic = emu.step(rule, params, grads, steps, states, meta, tables, hyper, seed)
-        if generic:
-            slot = _native.layout()["slot.len"]
-            torch.ops.qconf.fused_step(rule, [params[i] for i in generic], [grads[i] for i in generic],
-                                       [steps[i] for i in generic],
-                                       [x for i in generic for x in states[i * slot:(i + 1) * slot]],
-                                       meta[generic].contiguous(), tables, hyper, seed)
+        else:
+            _emulate(emu, rule, params, grads, steps, states, meta, tables, hyper, seed)
 
     real = fused.ops
     fused.ops = types.SimpleNamespace(fused_step=fused_step)
@@ -453,14 +442,7 @@ def test_emulated_muon_calls_equal_cpu_fused(case, emu):
     the CPU kernel: the momentum (torch.lerp's fused multiply-adds, the codec) and the bf16 scratch
     it writes, then the update with the weights policy; Newton-Schulz in between sees the same
     bits on both sides."""
-    want_params, want_opt = _run_muon(case)
-    got_params, got_opt = _run_muon(case, emu)
-    for i, (a, b) in enumerate(zip(got_params, want_params)):
-        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} of shape {tuple(a.shape)}"
-    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+    _assert_same_bits(_run_muon(case, emu), _run_muon(case))
 
 
 def _nan_as_one(t):
@@ -537,6 +519,17 @@ def _bits(t):
     return t
 
 
+def _assert_same_bits(got, want):
+    """Two runs' (parameters, optimizer): every parameter and state tensor, bit for bit."""
+    (got_params, got_opt), (want_params, want_opt) = got, want
+    for i, (a, b) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} of shape {tuple(a.shape)}"
+    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+
+
 SPECIAL_CASES = [("default.yml", "adamw", torch.float32), ("8bit.yml", "adamw", torch.float32),
                  ("default.yml", "adamw", torch.bfloat16), ("2nd_moment_group_128.yml", "adamw", torch.bfloat16),
                  ("weights_sr", "adamw", torch.bfloat16), ("weights_sr", "sgd", torch.bfloat16),
@@ -549,15 +542,9 @@ def test_special_values_take_the_same_rare_paths(case, emu):
     """NaN, infinities, the largest finite bf16 and subnormals in parameters and gradients: the
     emulated kernels' rare paths (NaN quads, stochastic rounding's range, Inf maxima, IEEE slow
     paths) give the CPU kernel's bits, NaN payloads and signs of zero included."""
-    want_params, want_opt = _run(case, special=True)
-    got_params, got_opt = _run(case, emu, special=True)
-    assert any(torch.isnan(p).any() for p in want_params)  # (the values reached the parameters)
-    for i, (a, b) in enumerate(zip(got_params, want_params)):
-        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} of shape {tuple(a.shape)}"
-    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(_bits(got[k]), _bits(want[k])), k
+    want = _run(case, special=True)
+    assert any(torch.isnan(p).any() for p in want[0])  # (the values reached the parameters)
+    _assert_same_bits(_run(case, emu, special=True), want)
 
 
 def test_the_cases_reach_the_specialized_kernels(emu):
@@ -654,13 +641,10 @@ def test_bf16_stochastic_rounding_follows_the_rng_offset(emu):
             plan, grads, hyper, seed = _group_call(opt, group)
             meta = _offset_meta(plan.meta, PAIR_OFFSETS)
             args = (plan.rule, plan.params, grads, plan.steps, plan.states, meta, plan.tables, hyper, seed)
-            if not emulated:
+            if emulated:
+                _emulate(emu, *args)
+            else:
                 torch.ops.qconf.fused_step(*args)
-                return
-            generic = emu.step(*args)
-            if generic:
-                sub = _subset(plan, grads, generic)
-                torch.ops.qconf.fused_step(plan.rule, *sub[:4], meta[generic].contiguous(), plan.tables, hyper, seed)
         opt._fused_step = step
         for k in range(STEPS):
             for p, gr in zip(params, _grads(k, torch.bfloat16)):
@@ -668,12 +652,9 @@ def test_bf16_stochastic_rounding_follows_the_rng_offset(emu):
             opt.step()
         return params, opt
 
-    (want_params, want_opt), (got_params, got_opt) = run(False), run(True)
-    for i, (a, b) in enumerate(zip(got_params, want_params)):
-        assert torch.equal(_bits(a), _bits(b)), f"parameter {i} at offset {PAIR_OFFSETS[i]}"
-    got, want = _state_tensors(got_opt), _state_tensors(want_opt)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    want = run(False)
+    _assert_same_bits(run(True), want)
+    want_opt = want[1]
     plan, grads, hyper, seed = _group_call(want_opt, want_opt.param_groups[0])
     names = torch.ops.qconf.cuda_specs(plan.rule, plan.params, grads, plan.steps, plan.states,
                                        _offset_meta(plan.meta, PAIR_OFFSETS), plan.tables, hyper, seed)
