@@ -7,7 +7,7 @@
 #   wheels    pip install --no-deps every wheel under ./wheels (torchao, bitsandbytes: brought
 #             along, the machine reaches no registry)
 #   tests     tests/gpu with the generic and the specialized kernels (OMP_NUM_THREADS=1, -n 13)
-#   sanitize  compute-sanitizer memcheck and racecheck on the fused-step tests
+#   sanitize  compute-sanitizer memcheck and racecheck on the fused-step tests (Muon's two calls too)
 #   bench     qconf bench --device cuda --size gpu (537M params; ~68 GiB with every contender, so on
 #             an 80 GB H100 give CONTENDERS, e.g. 'qconf-fused-*' then 'torchao-*,bnb-*')
 #
@@ -46,8 +46,8 @@ for s in "${STAGES[@]}"; do
     sanitize)
       for tool in memcheck racecheck; do
         stage "sanitize_$tool" env QCONF_CUDA_KERNELS=specialized compute-sanitizer --tool "$tool" \
-          --launch-timeout 120 --error-exitcode 3 "$PY" -m pytest tests/gpu/test_specialized_cuda.py -x -q \
-          -p no:benchmark -k "equals_cpu or large or odd"
+          --launch-timeout 120 --error-exitcode 3 "$PY" -m pytest tests/gpu/test_specialized_cuda.py \
+          tests/gpu/test_muon_cuda.py -x -q -p no:benchmark -k "equals_cpu or large or odd or equal_the_cpu_fused"
       done ;;
     bench)
       stage bench "$PY" -c 'import sys; from qconf.cli import main; sys.exit(main())' bench --device cuda --size gpu --rounds "${ROUNDS:-20}" --threads 16 \
