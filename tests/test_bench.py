@@ -66,7 +66,7 @@ def test_tiny_run_table_and_json(tmp_path, capsys):
     keys = [r["key"] for r in res["rows"]]
     expected = ["torch-forloop", "torch-foreach", "torch-fused", "torch-fused-bf16",
                 *(f"qconf-fused-{c}-{t}" for t in ("fp32", "bf16") for c in ("default", "group128", "8bit")),
-                "qconf-fused-default-bf16-sr", "qconf-fused-default-bf16-kahan",
+                *(f"qconf-fused-{c}-bf16-sr" for c in ("default", "group128", "8bit")), "qconf-fused-default-bf16-kahan",
                 "qconf-reference-default-fp32", "bnb-adamw8bit"]
     assert keys == expected
     assert len(rows) == len(expected)
@@ -93,9 +93,11 @@ def test_tiny_run_table_and_json(tmp_path, capsys):
     assert by_key["qconf-fused-default-bf16-sr"]["state_bytes_per_param"] == plain["state_bytes_per_param"]
     assert by_key["qconf-fused-default-bf16-kahan"]["state_bytes_per_param"] == pytest.approx(
         plain["state_bytes_per_param"] + 2.0)
-    for policy in ("sr", "kahan"):
-        r = by_key[f"qconf-fused-default-bf16-{policy}"]
-        assert r["relative_to"] == "qconf-fused-default-bf16" and r["ratio_vs_relative"] > 0
+    for plain_key, policy in [(f"qconf-fused-{c}-bf16", "sr") for c in ("default", "group128", "8bit")] + [
+            ("qconf-fused-default-bf16", "kahan")]:
+        r = by_key[f"{plain_key}-{policy}"]
+        assert r["relative_to"] == plain_key and r["ratio_vs_relative"] > 0
+        assert r["state_bytes_per_param"] >= by_key[plain_key]["state_bytes_per_param"]
         assert f"cost: {r['label']} (bfloat16): {r['ratio_vs_relative']:.2f}x the step time of " in out
 
     # peak RSS only where asked, from a subprocess
@@ -320,16 +322,17 @@ def test_cuda_roster():
         assert c.label.endswith("(specialized)") == special
         if special:
             assert keys[keys.index(c.key) - 1] == c.key.removesuffix("-specialized")  # right after its twin
-        if c.key.removesuffix("-specialized").endswith(("-sr", "-kahan")):
-            # their cost over plain bf16 on the same kernels, as on the CPU
-            assert c.relative_to == "qconf-fused-default-bf16" + ("-specialized" if special else "")
+        plain = c.key.removesuffix("-specialized")
+        if plain.endswith(("-sr", "-kahan")):
+            # their cost over the same config's plain bf16 row on the same kernels, as on the CPU
+            assert c.relative_to == plain.rsplit("-", 1)[0] + ("-specialized" if special else "")
             assert c.relative_to in keys[:keys.index(c.key)]
         elif c.dtype == bench_device.torch.bfloat16:
             assert c.relative_to == "torch-fused-bf16"
         else:
             assert c.relative_to is None
     special = [k for k in keys if k.endswith("-specialized")]
-    assert len(special) == 8  # 3 configs x fp32 / bf16, and the bf16 SR / Kahan variants
+    assert len(special) == 10  # 3 configs x fp32 / bf16 / bf16 SR, and default.yml's Kahan variant
 
 
 def test_with_env_switches_the_kernel_choice_per_step(monkeypatch):

@@ -145,14 +145,15 @@ def _cpu_rows(config_dir: str | os.PathLike | None, min_numel: int | None) -> li
         for cfg, short in CONFIGS.items():
             rows.append(Contender(f"qconf-fused-{short}-{tag}", f"qconf fused {cfg}", dtype,
                                   qconf_adamw(cfg, True), family="qconf"))
-    # pure-bf16 weights (docs/precision.md): the same step with stochastic rounding / Kahan
+    # pure-bf16 weights (docs/precision.md): each config's step with stochastic rounding, default.yml's
+    # with a Kahan buffer, each compared with its plain bf16 row
+    for cfg, short in CONFIGS.items():
+        plain = f"qconf-fused-{short}-bf16"
+        rows.append(Contender(f"{plain}-sr", f"qconf fused {cfg} + SR weights", bf16,
+                              qconf_adamw(cfg, True, bf16_stochastic_round=True), family="qconf", relative_to=plain))
     plain = "qconf-fused-default-bf16"
-    rows += [
-        Contender(f"{plain}-sr", "qconf fused default.yml + SR weights", bf16,
-                  qconf_adamw("default.yml", True, bf16_stochastic_round=True), family="qconf", relative_to=plain),
-        Contender(f"{plain}-kahan", "qconf fused default.yml + Kahan weights", bf16,
-                  qconf_adamw("default.yml", True, compensation="kahan"), family="qconf", relative_to=plain),
-    ]
+    rows.append(Contender(f"{plain}-kahan", "qconf fused default.yml + Kahan weights", bf16,
+                          qconf_adamw("default.yml", True, compensation="kahan"), family="qconf", relative_to=plain))
     rows += [
         Contender("qconf-reference-default-fp32", "qconf reference default.yml", f32,
                   qconf_adamw("default.yml", False), family="qconf"),
