@@ -10,6 +10,10 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on the fused-step tests (Muon's two calls too)
 #   bench     qconf bench --device cuda --size gpu (537M params; ~68 GiB with every contender, so on
 #             an 80 GB H100 give CONTENDERS, e.g. 'qconf-fused-*' then 'torchao-*,bnb-*')
+#   memory    qconf bench --memory --device cuda (issue 50's point 2: peak B/param of training)
+#   bitlinear benchmarks/bench_bitlinear.py --device cuda, fp32 then bf16 inputs (point 4)
+#
+# Stages not named run only when named: the default is build wheels tests sanitize bench.
 #
 # e.g. bash benchmarks/gpu_check.sh build tests sanitize    then    bash benchmarks/gpu_check.sh bench
 # (the build stays on a warm machine between calls). Each stage's exit status is in $OUT/status.
@@ -52,8 +56,16 @@ for s in "${STAGES[@]}"; do
     bench)
       stage bench "$PY" -c 'import sys; from qconf.cli import main; sys.exit(main())' bench --device cuda --size gpu --rounds "${ROUNDS:-20}" --threads 16 \
         ${CONTENDERS:+--contenders "$CONTENDERS"} --json "$OUT/bench.json" ;;
+    memory)
+      stage memory "$PY" -c 'import sys; from qconf.cli import main; sys.exit(main())' bench --memory --device cuda \
+        --json "$OUT/memory.json" ;;
+    bitlinear)
+      for dtype in fp32 bf16; do
+        stage "bitlinear_$dtype" "$PY" benchmarks/bench_bitlinear.py --device cuda --input-dtype "$dtype" \
+          --json "$OUT/bitlinear_$dtype.json"
+      done ;;
     *)
-      echo "unknown stage '$s' (build, wheels, tests, sanitize, bench)" >&2
+      echo "unknown stage '$s' (build, wheels, tests, sanitize, bench, memory, bitlinear)" >&2
       exit 2 ;;
   esac
 done

@@ -497,14 +497,19 @@ def dataclasses_replace(obj, **kw):
 
 
 def test_the_gpu_check_script_logs_each_stage_and_refuses_unknown_ones(tmp_path):
-    """benchmarks/gpu_check.sh (issue 24's prepared GPU checks): each stage's log and exit status
-    land under $OUT; without CUDA the bench stage fails with the CLI's one line; a misspelt stage
-    stops the script with status 2."""
+    """benchmarks/gpu_check.sh (issues 24 and 50's prepared GPU checks): each stage's log and exit
+    status land under $OUT; without CUDA the bench, memory and bitlinear stages fail with their
+    one-line errors; a misspelt stage stops the script with status 2."""
     script = REPO / "benchmarks" / "gpu_check.sh"
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(script), "bench"], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(["bash", str(script), "bench", "memory", "bitlinear"], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert run.returncode == 0  # (stages fail into their status line, not the script's)
-    assert (tmp_path / "status").read_text().startswith("bench rc=2 ")
+    status = (tmp_path / "status").read_text().splitlines()
+    assert [line.split(" ")[:2] for line in status] == [
+        ["bench", "rc=2"], ["memory", "rc=2"], ["bitlinear_fp32", "rc=2"], ["bitlinear_bf16", "rc=2"]]
     assert "qconf bench: error: --device cuda: " in (tmp_path / "bench.log").read_text()
+    assert "qconf bench: error: --device cuda: " in (tmp_path / "memory.log").read_text()
+    assert "bench_bitlinear.py: error: --device cuda: " in (tmp_path / "bitlinear_bf16.log").read_text()
     bad = subprocess.run(["bash", str(script), "bild"], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown stage 'bild'" in bad.stderr
