@@ -27,7 +27,7 @@ class TorchMuonAdamW:
         router = Router(None, load_config({}))
         split: dict[str, list[torch.Tensor]] = {"muon": [], "adamw": []}
         for name, p in named_params:
-            split["muon" if router.rule(name, p)[0] == MUON else "adamw"].append(p)
+            split["muon" if router.rule(name, p) == MUON else "adamw"].append(p)
         self.parts = {"muon": torch.optim.Muon(split["muon"], lr=lr, weight_decay=weight_decay),
                       "adamw": torch.optim.AdamW(split["adamw"], lr=lr, weight_decay=weight_decay, fused=True)}
 

@@ -139,7 +139,7 @@ class Muon(QOptimizer):
             if not isinstance(p, torch.Tensor):
                 parts[False].append(x)  # torch's add_param_group names what is wrong with it
                 continue
-            rule, _ = router.rule(name, p)
+            rule = router.rule(name, p)
             why = muon_refusal(p) if rule == MUON else None  # (the default routing picks real matrices only)
             if why is not None:
                 raise ValueError(f"Muon: parameter {name or i!r} is routed to Muon (by route= or the qconfig's "

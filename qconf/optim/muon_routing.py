@@ -55,9 +55,9 @@ class Router:
             self.route[pattern] = rule
         self.qconfig = qconfig
 
-    def rule(self, name: str, p: torch.Tensor) -> tuple[str, bool]:
-        """(rule, explicit) of parameter ``name``: explicit when the constructor or the qconfig
-        chose it, False when it follows from shape and name."""
+    def rule(self, name: str, p: torch.Tensor) -> str:
+        """The rule (:data:`MUON` or :data:`ADAMW`) of parameter ``name``: the constructor's
+        route, else the qconfig's, else shape and name (which give Muon real matrices only)."""
         chosen = None
         for regex, rule in self._compiled:
             if regex.fullmatch(name):
@@ -65,10 +65,10 @@ class Router:
         if chosen is None:
             chosen = self.qconfig.optimizer_route(name, tuple(p.shape))
         if chosen is not None:
-            return chosen, True
+            return chosen
         if muon_refusal(p) is not None or any(r.fullmatch(name) for r in _DEFAULTS):
-            return ADAMW, False
-        return MUON, False
+            return ADAMW
+        return MUON
 
 
 def muon_refusal(p: Any) -> str | None:
