@@ -204,14 +204,25 @@ def _run(case, emu=None, steps=STEPS, special=False):
     opt = OPTIMIZERS[opt_name](params, _config(config))
     if emu is not None:
         opt._fused_step = lambda group: _emulated_step(emu, opt, group)
+    _steps(opt, params, steps, lambda step: _grads(step, dtype), special)
+    return params, opt
+
+
+def _steps(opt, params, steps, grads_of, special):
+    """``steps`` optimizer steps on the gradients ``grads_of(step)`` (a list, one per parameter);
+    special: with the SPECIAL values in those of step 1."""
     for step in range(steps):
-        grads = _grads(step, dtype)
+        grads = grads_of(step)
         if special and step == 1:
             _poison(grads, SPECIAL_GRADS, 37)
         for p, gr in zip(params, grads):
             p.grad = gr
         opt.step()
-    return params, opt
+
+
+def _case_id(case):
+    """A case's test id: config-optimizer-dtype."""
+    return f"{case[0]}-{case[1]}-{str(case[2])[6:]}"
 
 
 def _emulated_step(emu, opt, group):
@@ -375,7 +386,7 @@ def emu(request, background_jobs):
     return prebuilt_extension(request, background_jobs, "emu", build_emulator)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_emulated_specialized_step_equals_cpu_fused(case, emu):
     _assert_same_bits(_run(case, emu), _run(case))
 
@@ -421,22 +432,17 @@ def _run_muon(case, emu=None, steps=STEPS, special=False, calls=None):
     opt = Muon([{"params": params, "use_muon": True}], qconfig=_config(config), fused=True, seed=3,
                **MUON_OPTIMIZERS[variant])
     with _muon_kernel_calls(emu, calls):
-        for step in range(steps):
-            g = torch.Generator().manual_seed(1000 + step)
-            grads = [(torch.randn(s, generator=g) * 10.0 ** (step % 3 - 2)).to(dtype) for s in MUON_SHAPES]
-            if special and step == 1:
-                _poison(grads, SPECIAL_GRADS, 37)
-            for p, gr in zip(params, grads):
-                p.grad = gr
-            opt.step()
+        _steps(opt, params, steps, lambda step: _muon_grads(step, dtype), special)
     return params, opt
 
 
-def _muon_id(case):
-    return f"{case[0]}-{case[1]}-{str(case[2])[6:]}"
+def _muon_grads(step, dtype):
+    """Step ``step``'s gradients of MUON_SHAPES, scaled 1e-2, 1e-1, 1 in turn."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=g) * 10.0 ** (step % 3 - 2)).to(dtype) for s in MUON_SHAPES]
 
 
-@pytest.mark.parametrize("case", MUON_CASES, ids=_muon_id)
+@pytest.mark.parametrize("case", MUON_CASES, ids=_case_id)
 def test_emulated_muon_calls_equal_cpu_fused(case, emu):
     """Both Muon calls of every matrix through the specialized kernels' model, bit for bit against
     the CPU kernel: the momentum (torch.lerp's fused multiply-adds, the codec) and the bf16 scratch
@@ -452,7 +458,7 @@ def _nan_as_one(t):
     return _bits(torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t))
 
 
-@pytest.mark.parametrize("case", MUON_SPECIAL_CASES, ids=_muon_id)
+@pytest.mark.parametrize("case", MUON_SPECIAL_CASES, ids=_case_id)
 def test_emulated_muon_calls_take_the_same_rare_paths(case, emu, monkeypatch):
     """NaN, infinities, the largest bf16 and subnormals in the parameters and the step-1 gradients
     of Muon's calls (the lerps' fused multiply-adds and the update's on special values; Newton-Schulz
@@ -537,7 +543,7 @@ SPECIAL_CASES = [("default.yml", "adamw", torch.float32), ("8bit.yml", "adamw", 
                  ("weights_sr_kahan_q4", "adamw", torch.bfloat16), ("stochastic", "sgd", torch.float32)]
 
 
-@pytest.mark.parametrize("case", SPECIAL_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
+@pytest.mark.parametrize("case", SPECIAL_CASES, ids=_case_id)
 def test_special_values_take_the_same_rare_paths(case, emu):
     """NaN, infinities, the largest finite bf16 and subnormals in parameters and gradients: the
     emulated kernels' rare paths (NaN quads, stochastic rounding's range, Inf maxima, IEEE slow
@@ -646,10 +652,7 @@ def test_bf16_stochastic_rounding_follows_the_rng_offset(emu):
             else:
                 torch.ops.qconf.fused_step(*args)
         opt._fused_step = step
-        for k in range(STEPS):
-            for p, gr in zip(params, _grads(k, torch.bfloat16)):
-                p.grad = gr
-            opt.step()
+        _steps(opt, params, STEPS, lambda k: _grads(k, torch.bfloat16), False)
         return params, opt
 
     want = run(False)
